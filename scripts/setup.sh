@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Idempotent environment set-up: a venv in .venv with dspark installed editable (+ dev extras).
+# torch is pinned to 2.13.0 in pyproject.toml (pip takes the local CPU wheel on these machines).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.dspark-installed
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+  .venv/bin/python -m pip install -q -e '.[dev]'
+  echo "$want" > "$stamp"
+fi

@@ -1,0 +1,200 @@
+"""Page allocator and per-request block tables for the paged latent KV cache (pure Python, no torch).
+
+Target and drafter share one block table per request: the same page ids index the target's latent pool and
+the drafter's pool (which may live in a different tensor with a different width or dtype). This module only
+hands out page ids; the tensors live in `cache/latent.py`.
+
+Rollback of rejected draft tokens is `set_length`: no copies, no frees. KV written beyond the length is
+simply overwritten by the next step. Preemption is `release` followed by recompute later.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+
+
+class PoolExhausted(RuntimeError):
+    """The page pool has fewer free pages than a request asked for."""
+
+
+def _check_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+class PageAllocator:
+    """Free list plus reference counts over `num_pages` pages of `page_size` tokens each."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        _check_positive("num_pages", num_pages)
+        _check_positive("page_size", page_size)
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._refcount = [0] * num_pages
+        # Stack: pop() hands out the lowest ids first; freed pages are reused first (warm in cache).
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def refcount(self, page: int) -> int:
+        self._check_page(page)
+        return self._refcount[page]
+
+    def can_allocate(self, n_pages: int) -> bool:
+        return 0 <= n_pages <= len(self._free)
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Number of pages needed to hold `num_tokens` tokens (ceil division)."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        return -(-num_tokens // self.page_size)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` free pages (ref count 1 each); raises PoolExhausted, changing nothing, if too few."""
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of pages ({n})")
+        if n > len(self._free):
+            raise PoolExhausted(
+                f"asked for {n} pages but only {len(self._free)} of {self.num_pages} are free; "
+                "release or preempt a request, or raise num_pages"
+            )
+        pages = [self._free.pop() for _ in range(n)]
+        for page in pages:
+            self._refcount[page] = 1
+        return pages
+
+    def incref(self, pages: Iterable[int]) -> None:
+        """Add one reference to each page (for sharing). Every page must already be in use."""
+        pages = list(pages)
+        for page in pages:
+            self._check_page(page)
+            if self._refcount[page] == 0:
+                raise ValueError(f"incref of page {page}, which is free; allocate it first")
+        for page in pages:
+            self._refcount[page] += 1
+
+    def free(self, pages: Iterable[int]) -> None:
+        """Drop one reference per listed page; a page returns to the free list at zero. All-or-nothing."""
+        counts = Counter(pages)
+        for page, n in counts.items():
+            self._check_page(page)
+            if n > self._refcount[page]:
+                raise ValueError(
+                    f"double free of page {page}: freeing {n} reference(s) but its ref count is "
+                    f"{self._refcount[page]}"
+                )
+        for page, n in counts.items():
+            self._refcount[page] -= n
+            if self._refcount[page] == 0:
+                self._free.append(page)
+
+    def _check_page(self, page: int) -> None:
+        if not isinstance(page, int) or not 0 <= page < self.num_pages:
+            raise ValueError(f"page id {page!r} is out of range [0, {self.num_pages})")
+
+
+@dataclass
+class BlockTable:
+    """Pages of one request, in position order, and how many tokens are valid."""
+
+    pages: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+
+    def capacity(self, page_size: int) -> int:
+        return len(self.pages) * page_size
+
+    def slot(self, position: int, page_size: int) -> tuple[int, int]:
+        """(page id, offset in page) of token `position`; the position must lie within the capacity."""
+        if not 0 <= position < self.capacity(page_size):
+            raise IndexError(
+                f"position {position} is outside the table's capacity {self.capacity(page_size)}; "
+                "call BlockManager.ensure_capacity first"
+            )
+        return self.pages[position // page_size], position % page_size
+
+
+class BlockManager:
+    """One BlockTable per request id, backed by a shared PageAllocator."""
+
+    def __init__(self, allocator: PageAllocator) -> None:
+        self.allocator = allocator
+        self._tables: dict[Hashable, BlockTable] = {}
+
+    @property
+    def page_size(self) -> int:
+        return self.allocator.page_size
+
+    def __contains__(self, req_id: Hashable) -> bool:
+        return req_id in self._tables
+
+    def request_ids(self) -> list[Hashable]:
+        return list(self._tables)
+
+    def table(self, req_id: Hashable) -> BlockTable:
+        """The live table of `req_id` (treat as read-only)."""
+        try:
+            return self._tables[req_id]
+        except KeyError:
+            raise KeyError(f"no block table for request {req_id!r}; call ensure_capacity first") from None
+
+    def ensure_capacity(self, req_id: Hashable, num_tokens: int) -> bool:
+        """Grow the table of `req_id` to hold `num_tokens` tokens (creating it if needed).
+
+        Returns False, changing nothing, when the pool cannot serve the growth. Does not change the length.
+        """
+        table = self._tables.get(req_id)
+        have = 0 if table is None else len(table.pages)
+        need = self.allocator.pages_for(num_tokens) - have
+        if need > 0 and not self.allocator.can_allocate(need):
+            return False
+        if table is None:
+            table = self._tables[req_id] = BlockTable()
+        if need > 0:
+            table.pages.extend(self.allocator.allocate(need))
+        return True
+
+    def set_length(self, req_id: Hashable, num_tokens: int, *, trim: bool = False) -> None:
+        """Set the number of valid tokens (commit or rollback). No copies; frees pages only when `trim`."""
+        table = self.table(req_id)
+        cap = table.capacity(self.page_size)
+        if not 0 <= num_tokens <= cap:
+            raise ValueError(
+                f"length {num_tokens} for request {req_id!r} is outside [0, capacity {cap}]; "
+                "call ensure_capacity first"
+            )
+        table.num_tokens = num_tokens
+        if trim:
+            self.trim(req_id)
+
+    def trim(self, req_id: Hashable) -> int:
+        """Release whole pages past the current length; returns how many were released."""
+        table = self.table(req_id)
+        keep = self.allocator.pages_for(table.num_tokens)
+        extra = table.pages[keep:]
+        if extra:
+            self.allocator.free(extra)
+            del table.pages[keep:]
+        return len(extra)
+
+    def release(self, req_id: Hashable) -> None:
+        """Free every page of `req_id` and forget it (finish or preemption)."""
+        table = self.table(req_id)
+        self.allocator.free(table.pages)
+        del self._tables[req_id]
+
+    def slots(self, req_id: Hashable, start: int, end: int) -> list[int]:
+        """Flat slot ids page * page_size + offset for positions start..end-1 (all within capacity)."""
+        table = self.table(req_id)
+        size = self.page_size
+        if not 0 <= start <= end <= table.capacity(size):
+            raise IndexError(
+                f"positions [{start}, {end}) of request {req_id!r} are outside its capacity "
+                f"{table.capacity(size)}; call ensure_capacity first"
+            )
+        return [table.pages[p // size] * size + p % size for p in range(start, end)]

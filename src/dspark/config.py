@@ -1,0 +1,712 @@
+"""Frozen configuration dataclasses: target, drafter, speculative decoding, cache and engine.
+
+Every default lives here once; the CLI and the engine read them from these classes. Builders take the
+HF-style ``config.json`` dicts (or vLLM-style ``--speculative-config`` JSON) and raise ``ConfigError`` naming
+the offending key, its value and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or invalid; the message names the key and the fix."""
+
+
+def _fail(source: str, key: str, value: Any, fix: str) -> ConfigError:
+    return ConfigError(f"{source}: key '{key}' = {value!r} is invalid: {fix}")
+
+
+def read_json(path: str | Path) -> dict[str, Any]:
+    """Read a JSON object from ``path`` (a file, or a directory holding ``config.json``)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.exists():
+        raise ConfigError(f"{p}: file not found; pass a model directory containing config.json")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p}: not valid JSON ({e}); fix the file or re-download it") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a JSON object at the top level")
+    return data
+
+
+def _require(d: Mapping[str, Any], key: str, source: str) -> Any:
+    if key not in d or d[key] is None:
+        raise ConfigError(f"{source}: required key '{key}' is missing; add it to config.json")
+    return d[key]
+
+
+def _positive(source: str, **values: int | float | None) -> None:
+    for k, v in values.items():
+        if v is not None and (not isinstance(v, int | float) or v <= 0):
+            raise _fail(source, k, v, "must be a positive number")
+
+
+# --------------------------------------------------------------------------------------------------------
+# RoPE / YaRN
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters (DeepSeek YaRN when ``rope_type == 'yarn'``)."""
+
+    dim: int
+    theta: float = 10000.0
+    rope_type: str = "default"  # "default" | "yarn"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    interleave: bool = True
+
+    def __post_init__(self) -> None:
+        src = "rope_parameters"
+        if self.rope_type not in ("default", "yarn"):
+            raise _fail(src, "rope_type", self.rope_type, "supported: 'default', 'yarn'")
+        if self.dim <= 0 or self.dim % 2:
+            raise _fail(src, "qk_rope_head_dim", self.dim, "must be a positive even number")
+        _positive(src, rope_theta=self.theta, factor=self.factor, beta_fast=self.beta_fast)
+        if self.rope_type == "yarn" and self.original_max_position_embeddings is None:
+            raise _fail(src, "original_max_position_embeddings", None, "YaRN needs the original context length")
+
+    @property
+    def is_yarn(self) -> bool:
+        return self.rope_type == "yarn" and self.factor > 1.0
+
+    @classmethod
+    def from_hf(cls, d: Mapping[str, Any], dim: int, source: str) -> RopeConfig:
+        params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        if not isinstance(params, Mapping):
+            raise _fail(source, "rope_parameters", params, "must be an object or null")
+        theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+        rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+        if rope_type == "deepseek_yarn":
+            rope_type = "yarn"
+        if rope_type not in ("default", "yarn"):
+            raise _fail(source, "rope_parameters.rope_type", rope_type, "supported: 'default' or 'yarn'")
+        return cls(
+            dim=dim,
+            theta=theta,
+            rope_type=rope_type,
+            factor=float(params.get("factor", 1.0)),
+            original_max_position_embeddings=params.get("original_max_position_embeddings"),
+            beta_fast=float(params.get("beta_fast", 32.0)),
+            beta_slow=float(params.get("beta_slow", 1.0)),
+            mscale=float(params.get("mscale", 1.0)),
+            mscale_all_dim=float(params.get("mscale_all_dim", 0.0) or 0.0),
+            interleave=bool(d.get("rope_interleave", True)),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        if self.rope_type == "default":
+            return {"rope_type": "default", "rope_theta": self.theta}
+        return {
+            "rope_type": "yarn",
+            "factor": self.factor,
+            "original_max_position_embeddings": self.original_max_position_embeddings,
+            "rope_theta": self.theta,
+            "beta_fast": self.beta_fast,
+            "beta_slow": self.beta_slow,
+            "mscale": self.mscale,
+            "mscale_all_dim": self.mscale_all_dim,
+        }
+
+
+def yarn_get_mscale(factor: float, mscale: float) -> float:
+    """DeepSeek's YaRN magnitude correction: 1 if factor <= 1 else 0.1·mscale·ln(factor) + 1."""
+    return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def attention_scale(qk_head_dim: int, rope: RopeConfig) -> float:
+    """Softmax scale d_qk^-1/2, multiplied by mscale(factor, mscale_all_dim)^2 under YaRN."""
+    scale = qk_head_dim**-0.5
+    if rope.rope_type == "yarn" and rope.mscale_all_dim:
+        m = yarn_get_mscale(rope.factor, rope.mscale_all_dim)
+        scale *= m * m
+    return scale
+
+
+# --------------------------------------------------------------------------------------------------------
+# MLA attention geometry (shared by target and drafter)
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    hidden_size: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope: RopeConfig
+    rms_norm_eps: float = 1e-6
+    use_nope: bool = False  # no rotation on the rope slice (K3 target)
+    use_output_gate: bool = False  # sigmoid(g_proj(x)) gate before o_proj (K3 target)
+    attention_bias: bool = False
+
+    def __post_init__(self) -> None:
+        _positive(
+            "mla",
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_heads,
+            q_lora_rank=self.q_lora_rank,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_nope_head_dim=self.qk_nope_head_dim,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+            v_head_dim=self.v_head_dim,
+        )
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Cached values per token per layer: kv_lora_rank + rope dim (576 for K3)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return attention_scale(self.qk_head_dim, self.rope)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Target (DeepSeek-V3 / Kimi-K2 architecture)
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """An HF ``deepseek_v3`` / Kimi-K2 style ``config.json``."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    kv_lora_rank: int
+    q_lora_rank: int | None
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    max_position_embeddings: int
+    rope: RopeConfig
+    moe_intermediate_size: int = 0
+    n_routed_experts: int | None = None
+    n_shared_experts: int | None = None
+    num_experts_per_tok: int | None = None
+    first_k_dense_replace: int = 0
+    routed_scaling_factor: float = 1.0
+    scoring_func: str = "sigmoid"
+    topk_method: str = "noaux_tc"
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mla_use_nope: bool = False
+    mla_use_output_gate: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+    model_type: str = "deepseek_v3"
+
+    def __post_init__(self) -> None:
+        src = "target config.json"
+        _positive(
+            src,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            max_position_embeddings=self.max_position_embeddings,
+        )
+        if self.hidden_act != "silu":
+            raise _fail(src, "hidden_act", self.hidden_act, "only 'silu' (SwiGLU) is supported")
+        if self.is_moe:
+            _positive(
+                src,
+                moe_intermediate_size=self.moe_intermediate_size,
+                num_experts_per_tok=self.num_experts_per_tok,
+                n_group=self.n_group,
+                topk_group=self.topk_group,
+            )
+            if self.scoring_func not in ("sigmoid", "softmax"):
+                raise _fail(src, "scoring_func", self.scoring_func, "use 'sigmoid' (DeepSeek-V3) or 'softmax'")
+            if self.topk_method not in ("noaux_tc", "greedy", "group_limited_greedy"):
+                raise _fail(src, "topk_method", self.topk_method, "use 'noaux_tc', 'greedy' or 'group_limited_greedy'")
+            assert self.n_routed_experts is not None and self.num_experts_per_tok is not None
+            if self.n_routed_experts % self.n_group:
+                raise _fail(src, "n_group", self.n_group, f"must divide n_routed_experts={self.n_routed_experts}")
+            if self.topk_group > self.n_group:
+                raise _fail(src, "topk_group", self.topk_group, f"must be <= n_group={self.n_group}")
+            if self.num_experts_per_tok > self.n_routed_experts:
+                raise _fail(src, "num_experts_per_tok", self.num_experts_per_tok, "must be <= n_routed_experts")
+        for name in ("bos_token_id", "pad_token_id"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v < self.vocab_size:
+                raise _fail(src, name, v, f"must be in [0, vocab_size={self.vocab_size})")
+        for v in self.eos_token_ids:
+            if not 0 <= v < self.vocab_size:
+                raise _fail(src, "eos_token_id", v, f"must be in [0, vocab_size={self.vocab_size})")
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.n_routed_experts)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.is_moe and layer >= self.first_k_dense_replace
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(self.eos_token_id)
+
+    @property
+    def mla(self) -> MLAConfig:
+        return MLAConfig(
+            hidden_size=self.hidden_size,
+            num_heads=self.num_attention_heads,
+            q_lora_rank=self.q_lora_rank,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_nope_head_dim=self.qk_nope_head_dim,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+            v_head_dim=self.v_head_dim,
+            rope=self.rope,
+            rms_norm_eps=self.rms_norm_eps,
+            use_nope=self.mla_use_nope,
+            use_output_gate=self.mla_use_output_gate,
+            attention_bias=self.attention_bias,
+        )
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], source: str = "target config.json") -> TargetConfig:
+        mt = d.get("model_type", "deepseek_v3")
+        if mt not in ("deepseek_v3", "kimi_k2", "deepseek_v2"):
+            raise _fail(source, "model_type", mt, "the MLA target reads 'deepseek_v3' / 'kimi_k2' configs")
+        rope_dim = int(_require(d, "qk_rope_head_dim", source))
+        eos = d.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = tuple(int(e) for e in eos)
+        return cls(
+            vocab_size=int(_require(d, "vocab_size", source)),
+            hidden_size=int(_require(d, "hidden_size", source)),
+            intermediate_size=int(_require(d, "intermediate_size", source)),
+            num_hidden_layers=int(_require(d, "num_hidden_layers", source)),
+            num_attention_heads=int(_require(d, "num_attention_heads", source)),
+            kv_lora_rank=int(_require(d, "kv_lora_rank", source)),
+            q_lora_rank=d.get("q_lora_rank"),
+            qk_nope_head_dim=int(_require(d, "qk_nope_head_dim", source)),
+            qk_rope_head_dim=rope_dim,
+            v_head_dim=int(_require(d, "v_head_dim", source)),
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            rope=RopeConfig.from_hf(d, rope_dim, source),
+            moe_intermediate_size=int(d.get("moe_intermediate_size") or 0),
+            n_routed_experts=d.get("n_routed_experts"),
+            n_shared_experts=d.get("n_shared_experts"),
+            num_experts_per_tok=d.get("num_experts_per_tok"),
+            first_k_dense_replace=int(d.get("first_k_dense_replace", 0)),
+            routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+            scoring_func=d.get("scoring_func", "sigmoid"),
+            topk_method=d.get("topk_method", "noaux_tc"),
+            n_group=int(d.get("n_group") or 1),
+            topk_group=int(d.get("topk_group") or 1),
+            norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+            hidden_act=d.get("hidden_act", "silu"),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            mla_use_nope=bool(d.get("mla_use_nope", False)),
+            mla_use_output_gate=bool(d.get("mla_use_output_gate", False)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos,
+            pad_token_id=d.get("pad_token_id"),
+            model_type=mt,
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> TargetConfig:
+        p = Path(path)
+        return cls.from_dict(read_json(p), source=str(p / "config.json" if p.is_dir() else p))
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "rope"}
+        d["rope_parameters"] = self.rope.to_hf()
+        d["rope_theta"] = self.rope.theta
+        d["rope_interleave"] = self.rope.interleave
+        d["num_key_value_heads"] = self.num_attention_heads
+        d["architectures"] = ["DeepseekV3ForCausalLM"]
+        if isinstance(self.eos_token_id, tuple):
+            d["eos_token_id"] = list(self.eos_token_id)
+        return d
+
+
+# --------------------------------------------------------------------------------------------------------
+# Drafter (official k3_dspark keys; DeepSpec Qwen3DSparkModel keys)
+# --------------------------------------------------------------------------------------------------------
+
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+DRAFT_ARCHITECTURES = ("K3DSparkModel", "Qwen3DSparkModel")
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """A DSpark drafter ``config.json`` (``k3_dspark`` MLA backbone or DeepSpec ``Qwen3DSparkModel`` GQA)."""
+
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    target_layer_ids: tuple[int, ...]
+    target_hidden_size: int
+    target_num_hidden_layers: int
+    mask_token_id: int
+    rope: RopeConfig
+    max_position_embeddings: int = 32768
+    # MLA backbone
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    mla_use_nope: bool = False
+    mla_use_output_gate: bool = False
+    # GQA backbone (Qwen3)
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    attention_bias: bool = False
+    # heads
+    markov_rank: int = 256
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = True
+    confidence_head_with_markov: bool = True
+    block_size: int | None = None
+    draft_vocab_size: int | None = None
+    rms_norm_eps: float = 1e-5
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+    torch_dtype: str = "bfloat16"
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        src = "draft config.json"
+        if self.architecture not in DRAFT_ARCHITECTURES:
+            raise _fail(src, "architectures", self.architecture, f"supported: {list(DRAFT_ARCHITECTURES)}")
+        _positive(
+            src,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            vocab_size=self.vocab_size,
+            target_hidden_size=self.target_hidden_size,
+            target_num_hidden_layers=self.target_num_hidden_layers,
+            block_size=self.block_size,
+        )
+        if self.markov_head_type not in MARKOV_HEAD_TYPES:
+            raise _fail(src, "markov_head_type", self.markov_head_type, f"use one of {list(MARKOV_HEAD_TYPES)}")
+        if self.markov_rank < 0:
+            raise _fail(src, "markov_rank", self.markov_rank, "must be >= 0 (0 disables the Markov head)")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise _fail(src, "mask_token_id", self.mask_token_id, f"must be in [0, vocab_size={self.vocab_size})")
+        ids = self.target_layer_ids
+        if not ids:
+            raise _fail(src, "target_layer_ids", list(ids), "list at least one target layer")
+        if any(b <= a for a, b in zip(ids, ids[1:])):
+            raise _fail(src, "target_layer_ids", list(ids), "must be strictly increasing")
+        if ids[0] < -1 or ids[-1] >= self.target_num_hidden_layers:
+            raise _fail(
+                src,
+                "target_layer_ids",
+                list(ids),
+                f"each id must be in [-1, target_num_hidden_layers={self.target_num_hidden_layers})",
+            )
+        if self.draft_vocab_size not in (None, self.vocab_size):
+            raise _fail(src, "draft_vocab_size", self.draft_vocab_size, "a reduced draft vocabulary is not supported")
+        if self.is_gqa:
+            _positive(src, num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim)
+            if self.num_attention_heads % (self.num_key_value_heads or 1):
+                raise _fail(src, "num_key_value_heads", self.num_key_value_heads, "must divide num_attention_heads")
+
+    @property
+    def is_gqa(self) -> bool:
+        return self.architecture == "Qwen3DSparkModel"
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def mla(self) -> MLAConfig:
+        return MLAConfig(
+            hidden_size=self.hidden_size,
+            num_heads=self.num_attention_heads,
+            q_lora_rank=self.q_lora_rank,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_nope_head_dim=self.qk_nope_head_dim,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+            v_head_dim=self.v_head_dim,
+            rope=self.rope,
+            rms_norm_eps=self.rms_norm_eps,
+            use_nope=self.mla_use_nope,
+            use_output_gate=self.mla_use_output_gate,
+        )
+
+    @property
+    def confidence_input_dim(self) -> int:
+        with_markov = self.confidence_head_with_markov and self.markov_rank > 0
+        return self.hidden_size + (self.markov_rank if with_markov else 0)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], source: str = "draft config.json") -> DraftConfig:
+        archs = d.get("architectures") or []
+        arch = archs[0] if archs else {"k3_dspark": "K3DSparkModel"}.get(d.get("model_type", ""), "")
+        if arch not in DRAFT_ARCHITECTURES:
+            raise _fail(source, "architectures", archs, f"expected one of {list(DRAFT_ARCHITECTURES)}")
+        gqa = arch == "Qwen3DSparkModel"
+        rope_dim = int(d.get("head_dim") or 128) if gqa else int(d.get("qk_rope_head_dim", 64))
+        eos = d.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = tuple(int(e) for e in eos)
+        n_target = d.get("target_num_hidden_layers") or d.get("num_target_layers")
+        if gqa:
+            # DeepSpec copies the target config: num_target_layers is the target depth
+            n_target = d.get("num_target_layers") or d.get("target_num_hidden_layers")
+        hidden = int(_require(d, "hidden_size", source))
+        known = {f.name for f in fields(cls)}
+        return cls(
+            architecture=arch,
+            hidden_size=hidden,
+            intermediate_size=int(_require(d, "intermediate_size", source)),
+            num_hidden_layers=int(_require(d, "num_hidden_layers", source)),
+            num_attention_heads=int(_require(d, "num_attention_heads", source)),
+            vocab_size=int(_require(d, "vocab_size", source)),
+            target_layer_ids=tuple(int(i) for i in _require(d, "target_layer_ids", source)),
+            target_hidden_size=int(d.get("target_hidden_size") or hidden),
+            target_num_hidden_layers=int(n_target or 0) or _missing(source, "target_num_hidden_layers"),
+            mask_token_id=int(_require(d, "mask_token_id", source)),
+            rope=RopeConfig.from_hf(d, rope_dim, source),
+            max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+            q_lora_rank=d.get("q_lora_rank"),
+            kv_lora_rank=int(d.get("kv_lora_rank", 512)),
+            qk_nope_head_dim=int(d.get("qk_nope_head_dim", 128)),
+            qk_rope_head_dim=int(d.get("qk_rope_head_dim", 64)),
+            v_head_dim=int(d.get("v_head_dim", 128)),
+            mla_use_nope=bool(d.get("mla_use_nope", False)),
+            mla_use_output_gate=bool(d.get("mla_use_output_gate", False)),
+            num_key_value_heads=d.get("num_key_value_heads") if gqa else None,
+            head_dim=d.get("head_dim") if gqa else None,
+            attention_bias=bool(d.get("attention_bias", False)),
+            markov_rank=int(d.get("markov_rank", 0)),
+            markov_head_type=d.get("markov_head_type", "vanilla"),
+            enable_confidence_head=bool(d.get("enable_confidence_head", False)),
+            confidence_head_with_markov=bool(d.get("confidence_head_with_markov", True)),
+            block_size=d.get("block_size"),
+            draft_vocab_size=d.get("draft_vocab_size"),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-5 if not gqa else 1e-6)),
+            hidden_act=d.get("hidden_act", "silu"),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos,
+            pad_token_id=d.get("pad_token_id"),
+            torch_dtype=str(d.get("torch_dtype", d.get("dtype", "bfloat16"))),
+            extra={k: v for k, v in d.items() if k not in known},
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> DraftConfig:
+        p = Path(path)
+        return cls.from_dict(read_json(p), source=str(p / "config.json" if p.is_dir() else p))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The official-format config.json (k3_dspark keys, or DeepSpec keys for the GQA backbone)."""
+        d: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": "qwen3" if self.is_gqa else "k3_dspark",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+        }
+        if self.is_gqa:
+            d |= {"num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim}
+            d |= {"attention_bias": self.attention_bias, "num_target_layers": self.target_num_hidden_layers}
+        else:
+            d |= {
+                "num_key_value_heads": self.num_attention_heads,
+                "q_lora_rank": self.q_lora_rank,
+                "kv_lora_rank": self.kv_lora_rank,
+                "qk_nope_head_dim": self.qk_nope_head_dim,
+                "qk_rope_head_dim": self.qk_rope_head_dim,
+                "v_head_dim": self.v_head_dim,
+                "mla_use_nope": self.mla_use_nope,
+                "mla_use_output_gate": self.mla_use_output_gate,
+                "num_target_layers": self.num_taps,
+            }
+        d |= {
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size or self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope.theta,
+            "rope_parameters": self.rope.to_hf(),
+            "target_hidden_size": self.target_hidden_size,
+            "target_num_hidden_layers": self.target_num_hidden_layers,
+            "target_layer_ids": list(self.target_layer_ids),
+            "mask_token_id": self.mask_token_id,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+            "markov_rank": self.markov_rank,
+            "markov_head_type": self.markov_head_type,
+            "enable_confidence_head": self.enable_confidence_head,
+            "confidence_head_with_markov": self.confidence_head_with_markov,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "torch_dtype": self.torch_dtype,
+        }
+        if self.block_size is not None:
+            d["block_size"] = self.block_size
+        return d | dict(self.extra)
+
+
+def _missing(source: str, key: str) -> int:
+    raise ConfigError(f"{source}: required key '{key}' is missing; add it to config.json")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Speculative decoding (vLLM --speculative-config keys)
+# --------------------------------------------------------------------------------------------------------
+
+SPEC_METHODS = ("dspark", "dflash", "ngram")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "dspark"
+    model: str | None = None
+    num_speculative_tokens: int = 7
+    draft_sample_method: str = "probabilistic"
+    rejection_sample_method: str = "block"
+    enable_adaptive_verification: bool = False
+    dspark_draft_topk: int | None = None
+    attention_backend: str | None = None
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    calibration_path: str | None = None
+    cost_table_path: str | None = None
+    min_verify_len: int = 0
+
+    def __post_init__(self) -> None:
+        src = "speculative config"
+        if self.method not in SPEC_METHODS:
+            raise _fail(src, "method", self.method, f"use one of {list(SPEC_METHODS)}")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 32:
+            raise _fail(src, "num_speculative_tokens", self.num_speculative_tokens, "must be an integer in [1, 32]")
+        if self.draft_sample_method not in ("greedy", "probabilistic"):
+            raise _fail(src, "draft_sample_method", self.draft_sample_method, "use 'greedy' or 'probabilistic'")
+        if self.rejection_sample_method not in ("standard", "block"):
+            raise _fail(src, "rejection_sample_method", self.rejection_sample_method, "use 'standard' or 'block'")
+        if self.dspark_draft_topk is not None and (
+            not isinstance(self.dspark_draft_topk, int) or self.dspark_draft_topk < 1
+        ):
+            raise _fail(src, "dspark_draft_topk", self.dspark_draft_topk, "must be null or a positive integer")
+        if self.attention_backend not in (None, "torch", "sdpa"):
+            raise _fail(src, "attention_backend", self.attention_backend, "use null, 'torch' or 'sdpa' on CPU")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise _fail(src, "prompt_lookup_min", self.prompt_lookup_min, "need 1 <= min <= prompt_lookup_max")
+        if not 0 <= self.min_verify_len <= self.num_speculative_tokens:
+            raise _fail(src, "min_verify_len", self.min_verify_len, "must be in [0, num_speculative_tokens]")
+        if self.enable_adaptive_verification and self.method == "ngram":
+            raise _fail(src, "enable_adaptive_verification", True, "needs a drafter with a confidence head")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SpeculativeConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(
+                f"speculative config: unknown key(s) {unknown}; valid keys are {sorted(known)}"
+            )
+        return cls(**dict(d))
+
+    @classmethod
+    def parse(cls, text: str | Mapping[str, Any] | None) -> SpeculativeConfig | None:
+        """Parse a JSON string, ``@file.json`` or a dict; None/'' means no speculation."""
+        if text is None or text == "":
+            return None
+        if isinstance(text, Mapping):
+            return cls.from_dict(text)
+        if text.startswith("@"):
+            text = Path(text[1:]).read_text()
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"speculative config: not valid JSON ({e}): {text!r}") from e
+        if not isinstance(d, dict):
+            raise ConfigError(f"speculative config: expected a JSON object, got {text!r}")
+        return cls.from_dict(d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Cache and engine
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 16
+    num_pages: int | None = None  # None: derived from max_num_seqs * max_model_len
+    swap_space: int = 0
+
+    def __post_init__(self) -> None:
+        _positive("cache config", page_size=self.page_size, num_pages=self.num_pages)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the target's max_position_embeddings (capped at 32768)
+    dtype: str = "bfloat16"
+    seed: int = 0
+    log_stats_interval_s: float = 10.0
+    max_waiting: int = 256
+
+    def __post_init__(self) -> None:
+        src = "engine config"
+        _positive(
+            src,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            max_waiting=self.max_waiting,
+        )
+        if self.dtype not in ("bfloat16", "float32", "float16"):
+            raise _fail(src, "dtype", self.dtype, "use 'bfloat16' or 'float32'")

@@ -1,0 +1,205 @@
+"""The DSpark drafter: a block-parallel, anchor-first, non-causal drafter conditioned on target taps.
+
+Reference: k3-mla-architecture.md §1 and §5, dspark-method.md §3. Data flow for one proposal:
+1. context fusion: taps [.., m·Dt] → context_proj → context_norm (one D-vector per context token);
+2. context injection: each layer runs only its own kv_a_proj_with_mqa + kv_a_layernorm + RoPE on the fused
+   context and stores the latent; context rows never see q, o or the MLP;
+3. query block [anchor, mask × (K−1)] at positions p..p+K−1 (target embedding) attends non-causally to the
+   context < p and to the whole block; slot k predicts the token at p+k+1;
+4. final_norm → base logits with the (borrowed) lm_head; Markov and confidence heads on top.
+
+Two backbones share this class: ``K3DSparkModel`` (MLA) and DeepSpec's ``Qwen3DSparkModel`` (GQA with q/k
+RMSNorm); the latter is stored under DeepSpec's names (``fc``, ``hidden_norm``, ``norm``) via ``GQA_NAMES``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.config import DraftConfig
+from dspark.models.heads import ConfidenceHead, MarkovHead
+from dspark.models.layers import RMSNorm, SwiGLU, no_empty_rows
+from dspark.models.mla import LatentStore, MLAttention
+from dspark.models.rope import RotaryEmbedding, apply_rope
+
+# our module name prefix → DeepSpec Qwen3DSparkModel name prefix
+GQA_NAMES = {"context_proj.": "fc.", "context_norm.": "hidden_norm.", "final_norm.": "norm."}
+
+
+class GQAttention(nn.Module):
+    """Qwen3-style GQA attention exposing the same latent interface as MLA: the cached row is [k | v]."""
+
+    def __init__(self, cfg: DraftConfig, layer_idx: int) -> None:
+        super().__init__()
+        assert cfg.head_dim is not None and cfg.num_key_value_heads is not None
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        D, hd = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(D, self.num_heads * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(D, self.num_kv * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(D, self.num_kv * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * hd, D, bias=False)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.interleave = cfg.rope.interleave
+        self.scale = hd**-0.5
+
+    def latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D] → [B, T, 2·kvH·hd] = [rope(k_norm(k)) | v]."""
+        B, T, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv, self.head_dim))
+        k = apply_rope(k, cos[:, :, None], sin[:, :, None], self.interleave)
+        return torch.cat((k.flatten(2), self.v_proj(x)), -1)
+
+    def attend_from_kv(self, x, cos, sin, kv, mask, absorbed: bool = True) -> torch.Tensor:
+        B, T, _ = x.shape
+        S = kv.shape[1]
+        q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim))
+        q = apply_rope(q, cos[:, :, None], sin[:, :, None], self.interleave).transpose(1, 2)
+        k, v = kv.to(q.dtype).view(B, S, 2, self.num_kv, self.head_dim).unbind(2)
+        out = F.scaled_dot_product_attention(
+            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], scale=self.scale, enable_gqa=True
+        )
+        return self.o_proj(out.transpose(1, 2).flatten(2))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn: nn.Module = GQAttention(cfg, layer_idx) if cfg.is_gqa else MLAttention(cfg.mla, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        ctx: torch.Tensor | None,
+        rope_block: tuple[torch.Tensor, torch.Tensor],
+        rope_ctx: tuple[torch.Tensor, torch.Tensor] | None,
+        mask: torch.Tensor,
+        store: LatentStore | None,
+        absorbed: bool,
+    ) -> torch.Tensor:
+        """h [B, K, D] block rows; ctx [B, Tc, D] fused context rows (or None) → [B, K, D]."""
+        x = self.input_layernorm(h)
+        latent = self.self_attn.latent(x, *rope_block)
+        if ctx is not None:
+            assert rope_ctx is not None
+            latent = torch.cat((self.self_attn.latent(ctx, *rope_ctx), latent), 1)  # context rows first
+        kv = latent if store is None else store.update(self.self_attn.layer_idx, latent)
+        h = h + self.self_attn.attend_from_kv(x, *rope_block, kv, mask, absorbed)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+@dataclass(frozen=True)
+class DraftOutput:
+    hidden: torch.Tensor  # [B, K, D] post final_norm
+    base_logits: torch.Tensor | None  # [B, K, V] fp32 (None when no lm_head is attached)
+
+
+class DSparkDrafter(nn.Module):
+    """K3DSparkModel / Qwen3DSparkModel. The embedding and lm_head are borrowed (frozen) from the target."""
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.context_proj = nn.Linear(cfg.num_taps * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.context_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.markov_head = (
+            MarkovHead(cfg.vocab_size, cfg.markov_rank, cfg.hidden_size, cfg.markov_head_type)
+            if cfg.markov_rank > 0
+            else None
+        )
+        self.confidence_head = ConfidenceHead(cfg.confidence_input_dim) if cfg.enable_confidence_head else None
+        self.rotary = RotaryEmbedding(cfg.rope)
+        # borrowed, not registered as parameters (never saved in model.safetensors, never trained)
+        self._borrowed: dict[str, nn.Module] = {}
+
+    # ---- borrowed target modules -------------------------------------------------------------------
+    def attach(self, embed_tokens: nn.Embedding, lm_head: nn.Module) -> None:
+        """Use the target's embedding (always) and an lm_head (own lm_head.safetensors or the target's)."""
+        if embed_tokens.weight.shape[1] != self.config.hidden_size:
+            raise ValueError(
+                f"target embedding width {embed_tokens.weight.shape[1]} != draft hidden_size "
+                f"{self.config.hidden_size}; the drafter must match the target's hidden size"
+            )
+        self._borrowed = {"embed_tokens": embed_tokens, "lm_head": lm_head}
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self._borrowed["embed_tokens"]  # type: ignore[return-value]
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self._borrowed["lm_head"]
+
+    @property
+    def latent_dim(self) -> int:
+        cfg = self.config
+        if cfg.is_gqa:
+            assert cfg.num_key_value_heads is not None and cfg.head_dim is not None
+            return 2 * cfg.num_key_value_heads * cfg.head_dim
+        return cfg.mla.latent_dim
+
+    # ---- forward -------------------------------------------------------------------------------------
+    def fuse_context(self, taps: torch.Tensor) -> torch.Tensor:
+        """taps [B, Tc, m·Dt] → fused context [B, Tc, D]."""
+        return self.context_norm(self.context_proj(taps.to(self.context_proj.weight.dtype)))
+
+    def forward(
+        self,
+        block_ids: torch.Tensor,
+        block_positions: torch.Tensor,
+        mask: torch.Tensor,
+        ctx_taps: torch.Tensor | None = None,
+        ctx_positions: torch.Tensor | None = None,
+        store: LatentStore | None = None,
+        absorbed: bool = True,
+        compute_logits: bool = True,
+    ) -> DraftOutput:
+        """block_ids/positions [B, Kb] (Kb = A·K packed blocks in training); ctx_taps [B, Tc, m·Dt] new context
+        rows at ctx_positions [B, Tc]; mask [B, Kb, S] over the keys the store returns (without a store:
+        S = Tc + Kb, context rows first)."""
+        h = self.embed_tokens(block_ids).to(self.context_proj.weight.dtype)
+        rope_block = self.rotary.cos_sin(block_positions)
+        ctx = rope_ctx = None
+        if ctx_taps is not None:
+            assert ctx_positions is not None
+            ctx = self.fuse_context(ctx_taps)
+            rope_ctx = self.rotary.cos_sin(ctx_positions)
+        mask = no_empty_rows(mask)
+        for layer in self.layers:
+            h = layer(h, ctx, rope_block, rope_ctx, mask, store, absorbed)
+        h = self.final_norm(h)
+        logits = self.lm_head(h).float() if compute_logits else None
+        return DraftOutput(hidden=h, base_logits=logits)
+
+    def confidence(self, hidden: torch.Tensor, prev_embeds: torch.Tensor | None) -> torch.Tensor | None:
+        """Confidence logits [.., K] (None without a confidence head)."""
+        if self.confidence_head is None:
+            return None
+        use_markov = self.config.confidence_head_with_markov and self.markov_head is not None
+        return self.confidence_head(hidden, prev_embeds if use_markov else None)
+
+    # ---- checkpoint names ----------------------------------------------------------------------------
+    def file_name(self, name: str) -> str:
+        """Module parameter name → name in model.safetensors (official k3_dspark or DeepSpec)."""
+        if self.config.is_gqa:
+            for ours, theirs in GQA_NAMES.items():
+                if name.startswith(ours):
+                    return theirs + name[len(ours) :]
+        return name
+
+    def module_name(self, file_name: str) -> str | None:
+        if self.config.is_gqa:
+            for ours, theirs in GQA_NAMES.items():
+                if file_name.startswith(theirs):
+                    return ours + file_name[len(theirs) :]
+        return file_name

@@ -1,0 +1,135 @@
+"""Build models from HF-style directories and save them back, with strict roster checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dspark.checkpoint.io import list_checkpoint_tensors, save_state_dict
+from dspark.checkpoint.roster import TensorSpec, load_module_strict, module_roster
+from dspark.config import ConfigError, DraftConfig, TargetConfig, read_json
+from dspark.models.drafter import DSparkDrafter
+from dspark.models.target import MLATarget
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def torch_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ConfigError(f"dtype {name!r} is not supported; use one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+# --------------------------------------------------------------------------------------------------------
+# target
+# --------------------------------------------------------------------------------------------------------
+
+
+def target_roster(cfg: TargetConfig) -> dict[str, TensorSpec]:
+    """Expected HF tensor names and shapes for a DeepSeek-V3 config, built on the meta device."""
+    with torch.device("meta"):
+        model = MLATarget(cfg)
+    return module_roster(model)
+
+
+def load_target(path: str | Path, dtype: str | torch.dtype = "float32") -> MLATarget:
+    """Load an HF DeepSeek-V3 / Kimi-K2 directory (config.json + safetensors, single or sharded)."""
+    cfg = TargetConfig.load(path)
+    model = MLATarget(cfg)
+    extra_ok = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
+    load_module_strict(model, path, ignore_unexpected=("model.layers.*.mlp.experts.*.*_scale*",), extra_ok=extra_ok)
+    # router weights and correction bias stay fp32 (as DeepSeek keeps them)
+    model.to(torch_dtype(dtype))
+    for layer in model.model.layers:
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None:
+            gate.float()
+    return model.eval()
+
+
+def save_target(model: MLATarget, path: str | Path, dtype: str | torch.dtype | None = None) -> None:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith("rotary.")}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_state_dict(state, path, dtype=torch_dtype(dtype) if dtype else None)
+    d = model.config.to_hf_dict()
+    if dtype:
+        d["torch_dtype"] = str(torch_dtype(dtype)).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps(d, indent=2))
+
+
+# --------------------------------------------------------------------------------------------------------
+# drafter
+# --------------------------------------------------------------------------------------------------------
+
+
+def draft_roster(cfg: DraftConfig, include_embedding: bool = True) -> dict[str, TensorSpec]:
+    """The official model.safetensors roster (68 tensors for Kimi-K3-DSpark), on the meta device."""
+    with torch.device("meta"):
+        model = DSparkDrafter(cfg)
+    roster = module_roster(model, rename=model.file_name)
+    if include_embedding:
+        roster = {"embed_tokens.weight": TensorSpec((cfg.vocab_size, cfg.hidden_size))} | roster
+    return roster
+
+
+def load_drafter(path: str | Path, target: nn.Module, dtype: str | torch.dtype = "float32") -> DSparkDrafter:
+    """Load a draft directory and attach the target's embedding and the lm_head (own file or the target's).
+
+    target must expose ``embed_tokens`` and ``lm_head`` (MLATarget or HFTarget).
+    """
+    path = Path(path)
+    cfg = DraftConfig.load(path)
+    model = DSparkDrafter(cfg)
+    load_module_strict(
+        model, path, rename=model.file_name, ignore_unexpected=("embed_tokens.weight", "lm_head.weight")
+    )
+    model.to(torch_dtype(dtype))
+    lm_head: nn.Module = target.lm_head
+    own = path / "lm_head.safetensors"
+    if own.exists():
+        lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        load_module_strict(lm_head, own, rename=lambda n: "lm_head." + n)
+        lm_head.to(torch_dtype(dtype)).requires_grad_(False)
+    elif "lm_head.weight" in list_checkpoint_tensors(path):
+        lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        load_module_strict(lm_head, path, rename=lambda n: "lm_head." + n, ignore_unexpected=("*",))
+        lm_head.to(torch_dtype(dtype)).requires_grad_(False)
+    model.attach(target.embed_tokens, lm_head)
+    return model.eval()
+
+
+def save_drafter(
+    model: DSparkDrafter,
+    path: str | Path,
+    dtype: str | torch.dtype | None = "bfloat16",
+    lm_head: nn.Module | None = None,
+) -> None:
+    """Write config.json + model.safetensors in the official roster (and lm_head.safetensors if given)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {model.file_name(k): v for k, v in model.state_dict().items() if not k.startswith("rotary.")}
+    dt = torch_dtype(dtype) if dtype else None
+    save_state_dict(state, path, dtype=dt)
+    if lm_head is not None:
+        save_state_dict({"lm_head.weight": lm_head.weight}, path, filename="lm_head.safetensors", dtype=dt)
+    d = model.config.to_dict()
+    if dtype:
+        d["torch_dtype"] = str(dt).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps(d, indent=2))
+
+
+def read_config_any(path: str | Path) -> TargetConfig | DraftConfig:
+    """A config.json (or directory) as a TargetConfig or DraftConfig, by its architecture/model_type."""
+    d = read_json(path)
+    archs = d.get("architectures") or []
+    if d.get("model_type") == "k3_dspark" or any(a.endswith("DSparkModel") for a in archs):
+        return DraftConfig.from_dict(d, source=str(path))
+    return TargetConfig.from_dict(d, source=str(path))

@@ -1,0 +1,141 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3, Kimi K2/K3 and the K3 DSpark drafter).
+
+Reference: k3-mla-architecture.md §3. Two paths over the same weights:
+- ``naive``: expand every cached latent through kv_b_proj into per-head keys and values (the oracle);
+- ``absorbed``: fold W_UK into the query and W_UV into the output so attention runs directly on the cached
+  (kv_lora_rank + rope dim)-wide latent (576 for K3) with one shared "KV head".
+The cache only ever holds the latent ``[kv_a_layernorm(c_kv) | rope(k_pe)]``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.config import MLAConfig
+from dspark.models.layers import RMSNorm
+from dspark.models.rope import apply_rope
+
+
+class LatentStore(Protocol):
+    """Where a layer's latents live: ``update`` writes the new rows and returns every visible row."""
+
+    def update(self, layer: int, latent: torch.Tensor) -> torch.Tensor:
+        """latent [B, T, C+R] for the new tokens → all keys [B, S, C+R] the batch's mask refers to."""
+        ...
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: MLAConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layer_idx = layer_idx
+        H, D = cfg.num_heads, cfg.hidden_size
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(D, H * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(D, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, cfg.latent_dim, bias=cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        if cfg.use_output_gate:
+            self.g_proj = nn.Linear(D, H * cfg.v_head_dim, bias=False)
+        self.o_proj = nn.Linear(H * cfg.v_head_dim, D, bias=cfg.attention_bias)
+        self.scale = cfg.softmax_scale
+
+    # ---- projections -------------------------------------------------------------------------------
+
+    def latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D] → cached latent [B, T, C+R] = [kv_a_layernorm(c_kv) | rope(k_pe)]."""
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], -1)
+        if not self.cfg.use_nope:
+            k_pe = apply_rope(k_pe, cos, sin, self.cfg.rope.interleave)
+        return torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1)
+
+    def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, D] → q_nope [B, T, H, Dn], q_pe [B, T, H, R] (rotated)."""
+        B, T, _ = x.shape
+        if self.cfg.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(B, T, self.cfg.num_heads, self.cfg.qk_head_dim).split(
+            [self.cfg.qk_nope_head_dim, self.cfg.qk_rope_head_dim], -1
+        )
+        if not self.cfg.use_nope:
+            q_pe = apply_rope(q_pe, cos[:, :, None], sin[:, :, None], self.cfg.rope.interleave)
+        return q_nope, q_pe
+
+    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj weight [H·(Dn+Dv), C] → W_UK [H, Dn, C], W_UV [H, Dv, C]."""
+        w = self.kv_b_proj.weight.view(self.cfg.num_heads, -1, self.cfg.kv_lora_rank)
+        return w[:, : self.cfg.qk_nope_head_dim], w[:, self.cfg.qk_nope_head_dim :]
+
+    # ---- attention over latents ----------------------------------------------------------------------
+
+    def attend_naive(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """q_nope [B,T,H,Dn], q_pe [B,T,H,R], kv [B,S,C+R], mask [B,T,S] bool → [B,T,H·Dv]."""
+        B, S, _ = kv.shape
+        H, Dn, Dv, C = self.cfg.num_heads, self.cfg.qk_nope_head_dim, self.cfg.v_head_dim, self.cfg.kv_lora_rank
+        k_nope, v = self.kv_b_proj(kv[..., :C]).view(B, S, H, Dn + Dv).split([Dn, Dv], -1)
+        k_pe = kv[..., None, C:].expand(B, S, H, self.cfg.qk_rope_head_dim)
+        q = torch.cat((q_nope, q_pe), -1).transpose(1, 2)  # [B, H, T, Dn+R]
+        k = torch.cat((k_nope, k_pe), -1).transpose(1, 2)  # [B, H, S, Dn+R]
+        scores = (q.float() @ k.float().transpose(-1, -2)) * self.scale
+        scores = scores.masked_fill(~mask[:, None], float("-inf"))
+        probs = scores.softmax(-1).to(v.dtype)
+        out = probs @ v.transpose(1, 2)  # [B, H, T, Dv]
+        return out.transpose(1, 2).flatten(2)
+
+    def attend_absorbed(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Same contract as attend_naive, computed in latent space (MQA with one 576-wide KV head)."""
+        C = self.cfg.kv_lora_rank
+        w_uk, w_uv = self._w_uk_uv()
+        q_lat = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)  # [B, T, H, C]
+        q = torch.cat((q_lat, q_pe), -1).transpose(1, 2)  # [B, H, T, C+R]
+        k = kv[:, None]  # [B, 1, S, C+R]
+        o_lat = F.scaled_dot_product_attention(
+            q, k, k[..., :C], attn_mask=mask[:, None], scale=self.scale, enable_gqa=True
+        )  # [B, H, T, C]
+        out = torch.einsum("bhtc,hdc->bthd", o_lat, w_uv)  # [B, T, H, Dv]
+        return out.flatten(2)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        store: LatentStore | None = None,
+        absorbed: bool = True,
+    ) -> torch.Tensor:
+        """x [B,T,D]; cos/sin [B,T,R/2]; mask [B,T,S] (S = T without a store) → [B,T,D]."""
+        latent = self.latent(x, cos, sin)
+        kv = latent if store is None else store.update(self.layer_idx, latent)
+        return self.attend_from_kv(x, cos, sin, kv, mask, absorbed)
+
+    def attend_from_kv(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: torch.Tensor,
+        mask: torch.Tensor,
+        absorbed: bool = True,
+    ) -> torch.Tensor:
+        """Queries from x [B,T,D] over given latents kv [B,S,C+R] → [B,T,D] (used by the drafter's block rows)."""
+        q_nope, q_pe = self.query(x, cos, sin)
+        attend = self.attend_absorbed if absorbed else self.attend_naive
+        out = attend(q_nope, q_pe, kv.to(q_nope.dtype), mask)
+        if self.cfg.use_output_gate:
+            out = out * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(out)

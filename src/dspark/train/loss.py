@@ -1,0 +1,189 @@
+"""The DSpark training loss: position-weighted CE + L1 (TV) + confidence BCE, and acceptance metrics.
+
+Shapes: B batch, A anchors (blocks) per sequence, K slots per block, V vocab.
+
+With w_k = exp(-k / decay_gamma) (k 0-based) times eval_mask and W = sum of w (or ``denominator``):
+
+    L_ce   = sum w * CE(draft, label) / W
+    L_l1   = sum w * ||softmax(draft) - softmax(target)||_1 / W          (plain L1, no 1/2)
+    c*     = clamp(1 - 1/2 ||p_d - p_t||_1, 0, 1), detached               (analytic T=1 acceptance)
+    L_conf = sum w * BCEWithLogits(conf_logit, c*) / W
+    L      = ce * L_ce + l1 * L_l1 + confidence * L_conf
+
+The [.., V] work runs in fp32 (fp64 if the logits are fp64) over chunks of blocks. When the logits
+are large and need gradients, each chunk is recomputed in backward (activation checkpointing), so
+only one chunk's softmax temporaries are alive at a time instead of several full [B, A, K, V] tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+# Above this many logits per input, chunk over blocks and recompute chunks in backward.
+DEFAULT_MAX_CHUNK_ELEMENTS = 1 << 24  # 16M fp32 values = 64 MiB per temporary
+_EPS = 1e-12
+
+
+@dataclass(frozen=True)
+class LossWeights:
+    ce: float = 0.1
+    l1: float = 0.9
+    confidence: float = 1.0
+    decay_gamma: float = 4.0
+
+    def __post_init__(self) -> None:
+        for name in ("ce", "l1", "confidence"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"LossWeights.{name}={getattr(self, name)} must be >= 0")
+        if self.decay_gamma <= 0:
+            raise ValueError(f"LossWeights.decay_gamma={self.decay_gamma} must be > 0")
+
+
+@dataclass(frozen=True)
+class DSparkLoss:
+    loss: Tensor  # scalar, the weighted total (differentiable)
+    ce: Tensor  # scalar L_ce
+    l1: Tensor  # scalar L_l1
+    confidence: Tensor  # scalar L_conf (0 when skipped)
+    accept_rate: Tensor  # [K] mean c*_k over supervised slots (0 where none), detached
+    tau_probabilistic: Tensor  # scalar: mean of 1 + sum_k prod_{i<=k} c*_i over supervised blocks
+    num_supervised: Tensor  # scalar long: number of supervised slots
+    accept_target: Tensor  # [B, A, K] c*, detached, 0 where not supervised
+
+
+def position_weights(K: int, decay_gamma: float, device: torch.device | None = None) -> Tensor:
+    """[K] fp32: w_k = exp(-k / decay_gamma) for k = 0..K-1."""
+    return torch.exp(-torch.arange(K, dtype=torch.float32, device=device) / decay_gamma)
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """fp32, or fp64 when the input already is (for exact references)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _slot_terms(draft: Tensor, target: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """draft [N, K, V], target [N, K, V], labels [N, K] -> (CE [N, K], ||p_d - p_t||_1 [N, K]), fp32/fp64."""
+    dtype = _compute_dtype(draft)
+    logp_d = torch.log_softmax(draft.to(dtype), dim=-1)
+    ce = -torch.gather(logp_d, -1, labels.unsqueeze(-1)).squeeze(-1)
+    p_t = torch.softmax(target.to(dtype), dim=-1)
+    l1 = (logp_d.exp() - p_t).abs().sum(dim=-1)
+    return ce, l1
+
+
+def _all_slot_terms(
+    draft: Tensor, target: Tensor, labels: Tensor, max_chunk_elements: int
+) -> tuple[Tensor, Tensor]:
+    """Flattened [N, K, V] inputs -> (CE [N, K], L1 [N, K]); chunked + checkpointed when large."""
+    N, K, V = draft.shape
+    if draft.numel() <= max_chunk_elements:
+        return _slot_terms(draft, target, labels)
+    rows = max(1, max_chunk_elements // (K * V))
+    recompute = torch.is_grad_enabled() and (draft.requires_grad or target.requires_grad)
+    ces, l1s = [], []
+    for start in range(0, N, rows):
+        d, t, y = draft[start : start + rows], target[start : start + rows], labels[start : start + rows]
+        if recompute:
+            ce, l1 = checkpoint(_slot_terms, d, t, y, use_reentrant=False)
+        else:
+            ce, l1 = _slot_terms(d, t, y)
+        ces.append(ce)
+        l1s.append(l1)
+    return torch.cat(ces), torch.cat(l1s)
+
+
+def _check_shapes(
+    draft_logits: Tensor, target_logits: Tensor, conf_logits: Tensor | None, labels: Tensor, eval_mask: Tensor
+) -> None:
+    if draft_logits.dim() != 4:
+        raise ValueError(f"draft_logits must be [B, A, K, V], got shape {tuple(draft_logits.shape)}")
+    if target_logits.shape != draft_logits.shape:
+        raise ValueError(
+            f"target_logits shape {tuple(target_logits.shape)} must equal "
+            f"draft_logits shape {tuple(draft_logits.shape)}"
+        )
+    slots = draft_logits.shape[:-1]
+    named = {"labels": labels, "eval_mask": eval_mask}
+    if conf_logits is not None:
+        named["conf_logits"] = conf_logits
+    for name, tensor in named.items():
+        if tensor.shape != slots:
+            raise ValueError(f"{name} shape {tuple(tensor.shape)} must be [B, A, K] = {tuple(slots)}")
+
+
+def dspark_loss(
+    draft_logits: Tensor,
+    target_logits: Tensor,
+    conf_logits: Tensor | None,
+    labels: Tensor,
+    eval_mask: Tensor,
+    weights: LossWeights | None = None,
+    *,
+    denominator: Tensor | float | None = None,
+    max_chunk_elements: int = DEFAULT_MAX_CHUNK_ELEMENTS,
+) -> DSparkLoss:
+    """DSpark loss of teacher-forced block drafts.
+
+    draft_logits [B, A, K, V] (Markov-corrected), target_logits [B, A, K, V] (target's next-token logits
+    at the same prefixes), conf_logits [B, A, K] or None, labels [B, A, K] long, eval_mask [B, A, K] bool.
+    ``denominator`` replaces sum(w) (e.g. the all-reduced global sum under DDP).
+    """
+    weights = weights or LossWeights()
+    _check_shapes(draft_logits, target_logits, conf_logits, labels, eval_mask)
+    B, A, K, V = draft_logits.shape
+    device = draft_logits.device
+
+    ce, l1 = _all_slot_terms(
+        draft_logits.reshape(B * A, K, V),
+        target_logits.reshape(B * A, K, V),
+        labels.reshape(B * A, K).long(),
+        max_chunk_elements,
+    )
+    ce, l1 = ce.view(B, A, K), l1.view(B, A, K)
+
+    dtype = ce.dtype
+    mask = eval_mask.bool()
+    mask_f = mask.to(dtype)
+    w = position_weights(K, weights.decay_gamma, device).to(dtype) * mask_f  # [B, A, K]
+    if denominator is None:
+        denom = w.sum()
+    else:
+        denom = torch.as_tensor(denominator, device=device).to(dtype)
+    denom = denom.clamp_min(_EPS)
+
+    loss_ce = (w * ce).sum() / denom
+    loss_l1 = (w * l1).sum() / denom
+    c_star = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0) * mask_f  # [B, A, K]
+    if conf_logits is not None and weights.confidence != 0.0:
+        bce = F.binary_cross_entropy_with_logits(conf_logits.to(dtype), c_star, reduction="none")
+        loss_conf = (w * bce).sum() / denom
+    else:
+        loss_conf = torch.zeros((), dtype=dtype, device=device)
+
+    total = torch.zeros((), dtype=dtype, device=device)
+    for alpha, term in ((weights.ce, loss_ce), (weights.l1, loss_l1), (weights.confidence, loss_conf)):
+        if alpha != 0.0:
+            total = total + alpha * term
+
+    with torch.no_grad():
+        per_k = mask_f.sum(dim=(0, 1))  # [K]
+        accept_rate = c_star.sum(dim=(0, 1)) / per_k.clamp_min(1.0)
+        blocks = mask[..., 0]  # [B, A]: at least one supervised slot (prefix mask)
+        tau_block = 1.0 + torch.cumprod(c_star, dim=-1).sum(dim=-1)  # [B, A]
+        tau = (tau_block * blocks).sum() / blocks.sum().clamp_min(1)
+
+    return DSparkLoss(
+        loss=total,
+        ce=loss_ce,
+        l1=loss_l1,
+        confidence=loss_conf,
+        accept_rate=accept_rate,
+        tau_probabilistic=tau,
+        num_supervised=mask.sum(),
+        accept_target=c_star,
+    )
