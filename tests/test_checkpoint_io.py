@@ -414,9 +414,7 @@ def test_compare_roster_ignore_globs() -> None:
 
 @pytest.mark.parametrize("module_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("file_dtype", DTYPES)
-def test_load_module_strict_round_trip(
-    tmp_path: Path, module_dtype: torch.dtype, file_dtype: torch.dtype
-) -> None:
+def test_load_module_strict_round_trip(tmp_path: Path, module_dtype: torch.dtype, file_dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     src = Tiny()
     src.step.fill_(7)

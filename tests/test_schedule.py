@@ -49,9 +49,7 @@ def test_sps_1d_interpolates_linearly_and_clamps():
 
 
 def test_sps_2d_is_bilinear_and_needs_batch_size():
-    table = SpsTable.from_dict(
-        {"batch_sizes": [1, 3], "num_tokens": [2, 4], "steps_per_s": [[10, 6], [4, 2]]}
-    )
+    table = SpsTable.from_dict({"batch_sizes": [1, 3], "num_tokens": [2, 4], "steps_per_s": [[10, 6], [4, 2]]})
     assert table.sps(2, batch_size=1) == 10 and table.sps(4, batch_size=3) == 2
     assert table.sps(3, batch_size=1) == pytest.approx(8.0)
     assert table.sps(3, batch_size=3) == pytest.approx(3.0)
@@ -146,6 +144,14 @@ def test_algorithm1_jagged_table_early_stop_halts_at_local_optimum():
     assert full.throughput == pytest.approx(5.42 * 0.55)
 
 
+def test_algorithm1_breaks_survival_ties_by_position_then_request():
+    # All survivals are 1; the best batch admits exactly two drafts (B=4: 4 * 0.8).
+    table = SpsTable.from_dict({"num_tokens": [2, 3, 4, 5], "steps_per_s": [1.0, 0.9, 0.8, 0.5]})
+    sched = choose_verify_lengths([[1.0, 1.0], [1.0, 1.0]], table)
+    assert sched.lengths == [1, 1]
+    assert sched.throughput == pytest.approx(3.2)
+
+
 def test_algorithm1_min_len_and_max_len():
     table = SpsTable.from_dict({"num_tokens": [1, 2, 3], "steps_per_s": [1.0, 0.5, 0.45]})
     low = [[0.1, 0.1]]
@@ -162,9 +168,7 @@ def test_algorithm1_min_len_and_max_len():
 def test_algorithm1_uses_batch_size_for_2d_tables():
     table = default_cost_model(per_request_ms=5.0, batch_sizes=[1, 2, 4], max_tokens=32)
     sched = choose_verify_lengths(CONF, table)
-    assert sched.throughput == pytest.approx(
-        sched.expected_tokens * table.sps(sched.num_tokens, batch_size=2)
-    )
+    assert sched.throughput == pytest.approx(sched.expected_tokens * table.sps(sched.num_tokens, batch_size=2))
 
 
 def test_algorithm1_rejects_bad_confidences():

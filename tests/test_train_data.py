@@ -182,9 +182,7 @@ def test_tokenizer_save_load_and_chat_format(small_tokenizer, tmp_path: Path) ->
     messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     rendered = jinja2.Environment().from_string(config["chat_template"])
     for gen in (False, True):
-        out = rendered.render(
-            messages=messages, add_generation_prompt=gen, bos_token="<|bos|>", eos_token="<|eos|>"
-        )
+        out = rendered.render(messages=messages, add_generation_prompt=gen, bos_token="<|bos|>", eos_token="<|eos|>")
         assert out == format_chat(messages, gen)
 
 

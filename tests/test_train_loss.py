@@ -147,6 +147,17 @@ def test_empty_mask_gives_zero_loss_not_nan() -> None:
     assert out.loss.item() == 0.0 and out.num_supervised.item() == 0
 
 
+def test_unsupervised_slots_are_ignored_even_if_junk() -> None:
+    draft, target, conf, labels, mask = _case(7)
+    base = dspark_loss(draft, target, conf, labels, mask)
+    junk_draft, junk_labels = draft.clone(), labels.clone()
+    junk_draft[~mask] = float("nan")
+    junk_labels[~mask] = -100
+    out = dspark_loss(junk_draft, target, conf, junk_labels, mask)
+    assert out.loss.item() == pytest.approx(base.loss.item(), rel=1e-12)
+    assert torch.equal(out.accept_rate, base.accept_rate)
+
+
 def test_chunked_checkpointed_path_matches_dense() -> None:
     draft, target, conf, labels, mask = _case(4, B=2, A=5, K=3, V=11)
     grads = []

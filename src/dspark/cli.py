@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from dspark.config import ConfigError
 
@@ -42,15 +43,291 @@ def add_roster(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_roster)
 
 
+# ---- check ----------------------------------------------------------------------------------------------
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from dspark.checkpoint.doctor import format_report, report_json, run_checks
+
+    report = run_checks(args.draft_dir, args.target)
+    if args.json:
+        print(json.dumps(report_json(report)))
+    else:
+        encoding = getattr(sys.stdout, "encoding", None) or "ascii"
+        try:
+            "✔✖–".encode(encoding)
+            ascii_only = False
+        except (UnicodeEncodeError, LookupError):
+            ascii_only = True
+        print(format_report(report, ascii_only=ascii_only))
+    return 0 if report.ok else 1
+
+
+def add_check(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("check", help="deployment doctor: check a draft (and its target) before serving")
+    p.add_argument("draft_dir", metavar="DRAFT_DIR", help="draft model directory (config.json + safetensors)")
+    p.add_argument("--target", metavar="DIR", default=None, help="target model dir (enables pairing checks)")
+    p.add_argument("--json", action="store_true", help='print {"ok": bool, "problems": [{"check", "message", "fix"}]}')
+    p.set_defaults(func=cmd_check)
+
+
+# ---- train-target ---------------------------------------------------------------------------------------
+
+
+def cmd_train_target(args: argparse.Namespace) -> int:
+    import os
+
+    # OpenMP threads that sleep instead of spinning: on a shared 2-core machine spinning threads stall
+    # each other (set before torch is imported to take effect)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from dataclasses import replace
+
+    from dspark.train.pretrain import PretrainConfig, tiny_pretrain_config, train_target
+
+    cfg = (
+        tiny_pretrain_config(args.data_dir, args.out_dir) if args.tiny else PretrainConfig(args.data_dir, args.out_dir)
+    )
+    overrides = {
+        k: getattr(args, k)
+        for k in ("max_minutes", "max_steps", "seq_len", "batch_size", "lr", "warmup_steps", "seed")
+        + ("eval_interval", "ckpt_interval", "num_threads")
+        if getattr(args, k) is not None
+    }
+    if args.no_time_limit:
+        overrides["max_minutes"] = None
+    if args.tiny and "max_minutes" in overrides and "max_steps" not in overrides:
+        overrides["max_steps"] = None
+    cfg = replace(cfg, **overrides, progress=not args.quiet)
+    result = train_target(cfg, resume=args.resume)
+    if args.json:
+        print(json.dumps({k: v for k, v in vars(result).items() if k != "losses"}))
+    return 0
+
+
+def add_train_target(sub: argparse._SubParsersAction) -> None:
+    from dspark.train.pretrain import PretrainConfig
+
+    d = PretrainConfig()
+    p = sub.add_parser(
+        "train-target",
+        help="pretrain the small K3-style MLA target (DeepSeek-V3 format) on the tokenized corpus",
+        description="Checkpoints to OUT_DIR/checkpoint/last.pt; exports OUT_DIR/export "
+        "(config.json, model.safetensors, tokenizer, training_log.json).",
+    )
+    p.add_argument("--data-dir", default=d.data_dir, help="dir with train/validation .npy and tokenizer.json")
+    p.add_argument("--out-dir", default=d.out_dir, help="checkpoint and export directory")
+    p.add_argument("--max-minutes", type=float, default=None, help=f"wall-clock budget (default {d.max_minutes})")
+    p.add_argument("--no-time-limit", action="store_true", help="no wall-clock budget (needs --max-steps)")
+    p.add_argument("--max-steps", type=int, default=None, help="cosine horizon (default: derived from --max-minutes)")
+    p.add_argument("--seq-len", type=int, default=None, help=f"training window (default {d.seq_len})")
+    p.add_argument("--batch-size", type=int, default=None, help=f"sequences per step (default {d.batch_size})")
+    p.add_argument("--lr", type=float, default=None, help=f"peak learning rate (default {d.lr})")
+    p.add_argument("--warmup-steps", type=int, default=None, help=f"default {d.warmup_steps}")
+    p.add_argument("--eval-interval", type=int, default=None, help=f"default {d.eval_interval}")
+    p.add_argument("--ckpt-interval", type=int, default=None, help=f"default {d.ckpt_interval}")
+    p.add_argument("--seed", type=int, default=None, help=f"default {d.seed}")
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default min(2, cpus))")
+    p.add_argument("--resume", action="store_true", help="continue exactly from OUT_DIR/checkpoint/last.pt")
+    p.add_argument("--tiny", action="store_true", help="a seconds-long smoke run with a tiny model")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
+    p.add_argument("--json", action="store_true", help="print the TrainResult as JSON at the end")
+    p.set_defaults(func=cmd_train_target)
+
+
+# ---- generate / verify-lossless -------------------------------------------------------------------------
+
+
+def _model_or_demo(model: str | None) -> tuple[str | None, bool]:
+    """The model dir; without one and without the bundled pair, a tiny random pair built on the fly (demo)."""
+    from dspark.llm import bundled_available
+
+    if model is not None or bundled_available():
+        return model, False
+    import tempfile
+
+    from dspark.models.tiny import write_tiny_pair
+
+    d = Path(tempfile.mkdtemp(prefix="dspark-demo-"))
+    target_dir, draft_dir = write_tiny_pair(d)
+    print(
+        "[demo] the bundled model pair is not installed: using a TINY RANDOM target+drafter built on the fly "
+        f"in {d} (the text is gibberish; speed and τ are not meaningful)",
+        file=sys.stderr,
+    )
+    return str(target_dir), True
+
+
+def _default_spec(args: argparse.Namespace, demo_dir: str | None) -> str | None:
+    if getattr(args, "no_spec", False):
+        return None
+    if args.speculative_config:
+        return args.speculative_config
+    if demo_dir is not None:
+        return json.dumps({"method": "dspark", "model": str(Path(demo_dir).parent / "draft")})
+    if args.model is None:
+        return json.dumps({"method": "dspark"})
+    return None
+
+
+def _sampling(args: argparse.Namespace, max_tokens: int):
+    from dspark.sampling_params import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=max_tokens,
+        seed=args.seed,
+    )
+
+
+def _timed_generate(engine, prompt: str, params) -> tuple[object, float]:
+    import time
+
+    from dspark.llm import LLM
+
+    llm = LLM.from_engine(engine)
+    llm.generate(prompt, _replace_max_tokens(params, 2))  # warm-up (first-call overheads)
+    t0 = time.perf_counter()
+    out = llm.generate(prompt, params)[0]
+    return out, time.perf_counter() - t0
+
+
+def _replace_max_tokens(params, n: int):
+    from dataclasses import replace
+
+    return replace(params, max_tokens=n)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from dspark.llm import build_engines
+
+    model, demo = _model_or_demo(args.model)
+    spec = _default_spec(args, model if demo else None)
+    compare = (args.compare or args.json) and spec is not None
+    configs = [spec, None] if compare else [spec]
+    engines = build_engines(model, configs, dtype=args.dtype, seed=args.seed or 0)
+    params = _sampling(args, args.max_tokens)
+    out, wall = _timed_generate(engines[0], args.prompt, params)
+    tps = len(out.token_ids) / wall if wall > 0 else 0.0
+    speedup = None
+    if compare:
+        ar, ar_wall = _timed_generate(engines[1], args.prompt, params)
+        speedup = tps / (len(ar.token_ids) / ar_wall) if ar_wall > 0 and ar.token_ids else None
+    tau = out.spec_metrics.get("acceptance_length")
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "text": out.text,
+                    "token_ids": out.token_ids,
+                    "num_output_tokens": len(out.token_ids),
+                    "acceptance_length": tau,
+                    "tokens_per_s": tps,
+                    "speedup_vs_ar": speedup,
+                }
+            )
+        )
+        return 0
+    print(args.prompt + out.text)
+    print("---", file=sys.stderr)
+    method = json.loads(spec)["method"] if spec else "none (autoregressive)"
+    tau_s = f"{tau:.2f}" if tau is not None else "n/a"
+    line = f"speculation: {method}  τ (mean acceptance length): {tau_s}  tokens/s: {tps:.1f}"
+    if speedup is not None:
+        line += f"  speed-up vs no speculation: {speedup:.2f}x"
+    print(line, file=sys.stderr)
+    return 0
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
+    p.add_argument("--model", default=None, help="target model dir (default: the bundled k3-mini pair)")
+    p.add_argument("--speculative-config", default=None, help='vLLM-style JSON or @file, e.g. \'{"method": "dspark"}\'')
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=temperature)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+
+
+def add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text with (or without) speculative decoding")
+    p.add_argument("prompt", nargs="?", default="def fibonacci(n):\n", help="prompt text")
+    _add_sampling_args(p, 128, 0.0)
+    p.add_argument("--no-spec", action="store_true", help="plain autoregressive decoding")
+    p.add_argument("--compare", action="store_true", help="also run without speculation and print the speed-up")
+    p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, τ, tokens/s, ...)")
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_verify_lossless(args: argparse.Namespace) -> int:
+    from dspark.data import load_prompts
+    from dspark.llm import LLM, build_engines
+
+    model, demo = _model_or_demo(args.model)
+    spec = _default_spec(args, model if demo else None) or json.dumps({"method": "dspark"})
+    spec_engine, ar_engine = build_engines(model, [spec, None], dtype=args.dtype)
+    prompts = load_prompts(args.dataset, args.num_prompts, getattr(spec_engine.tokenizer, "apply_chat_template", None))
+    from dspark.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    texts = [p.text for p in prompts]
+    ref = LLM.from_engine(ar_engine).generate(texts, params)
+    got = LLM.from_engine(spec_engine).generate(texts, params)
+    bad = 0
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if a.token_ids != b.token_ids:
+            bad += 1
+            j = next(
+                (k for k, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
+                min(len(a.token_ids), len(b.token_ids)),
+            )
+            print(
+                a_ids, b_ids = a.token_ids[j : j + 5], b.token_ids[j : j + 5]
+                print(f"prompt {i}: MISMATCH at output token {j}: target-only {a_ids} vs speculative {b_ids}")
+            )
+        else:
+            print(f"prompt {i}: identical ({len(a.token_ids)} tokens)")
+    tau = spec_engine.metrics.spec.acceptance_length
+    print(f"{len(prompts) - bad}/{len(prompts)} prompts identical token by token; τ = {tau or 0:.2f}")
+    return 1 if bad else 0
+
+
+def add_verify_lossless(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("verify-lossless", help="speculative greedy == target-only greedy, token by token")
+    p.add_argument("--dataset", required=True, help="JSONL prompts")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--model", default=None)
+    p.add_argument("--speculative-config", default=None)
+    p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
+    p.set_defaults(func=cmd_verify_lossless, no_spec=False)
+
+
 # ---- registry -------------------------------------------------------------------------------------------
 
-PLANNED = ("generate", "serve", "bench", "verify-lossless", "check", "train-target", "train-draft", "calibrate", "profile")
+PLANNED = (
+    "generate",
+    "serve",
+    "bench",
+    "verify-lossless",
+    "check",
+    "train-target",
+    "train-draft",
+    "calibrate",
+    "profile",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding for MLA models")
     sub = parser.add_subparsers(dest="command", required=True)
     add_roster(sub)
+    add_generate(sub)
+    add_verify_lossless(sub)
+    add_train_target(sub)
+    add_check(sub)
     registered = set(sub.choices)
     for name in PLANNED:
         if name not in registered:
@@ -70,4 +347,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

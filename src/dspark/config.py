@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -509,7 +509,7 @@ class DraftConfig:
             target_hidden_size=int(d.get("target_hidden_size") or hidden),
             target_num_hidden_layers=int(n_target or 0) or _missing(source, "target_num_hidden_layers"),
             mask_token_id=int(_require(d, "mask_token_id", source)),
-            rope=RopeConfig.from_hf(d, rope_dim, source),
+            rope=_draft_rope(d, rope_dim, source, gqa),
             max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
             q_lora_rank=d.get("q_lora_rank"),
             kv_lora_rank=int(d.get("kv_lora_rank", 512)),
@@ -593,6 +593,14 @@ class DraftConfig:
         return d | dict(self.extra)
 
 
+def _draft_rope(d: Mapping[str, Any], dim: int, source: str, gqa: bool) -> RopeConfig:
+    """MLA drafts rotate interleaved pairs (DeepSeek); Qwen3 drafts rotate halves (NeoX) unless told otherwise."""
+    rope = RopeConfig.from_hf(d, dim, source)
+    if gqa and "rope_interleave" not in d:
+        rope = replace(rope, interleave=False)
+    return rope
+
+
 def _missing(source: str, key: str) -> int:
     raise ConfigError(f"{source}: required key '{key}' is missing; add it to config.json")
 
@@ -648,9 +656,7 @@ class SpeculativeConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ConfigError(
-                f"speculative config: unknown key(s) {unknown}; valid keys are {sorted(known)}"
-            )
+            raise ConfigError(f"speculative config: unknown key(s) {unknown}; valid keys are {sorted(known)}")
         return cls(**dict(d))
 
     @classmethod

@@ -86,8 +86,7 @@ class PageAllocator:
             self._check_page(page)
             if n > self._refcount[page]:
                 raise ValueError(
-                    f"double free of page {page}: freeing {n} reference(s) but its ref count is "
-                    f"{self._refcount[page]}"
+                    f"double free of page {page}: freeing {n} reference(s) but its ref count is {self._refcount[page]}"
                 )
         for page, n in counts.items():
             self._refcount[page] -= n
@@ -165,8 +164,7 @@ class BlockManager:
         cap = table.capacity(self.page_size)
         if not 0 <= num_tokens <= cap:
             raise ValueError(
-                f"length {num_tokens} for request {req_id!r} is outside [0, capacity {cap}]; "
-                "call ensure_capacity first"
+                f"length {num_tokens} for request {req_id!r} is outside [0, capacity {cap}]; call ensure_capacity first"
             )
         table.num_tokens = num_tokens
         if trim:

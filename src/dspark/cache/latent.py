@@ -23,11 +23,15 @@ class BatchStore:
     read_slots: torch.Tensor  # [B, S] flat slot per visible key position (padding → any slot, masked)
     layer_offset: int = 0
 
-    def update(self, layer: int, latent: torch.Tensor) -> torch.Tensor:
-        """latent [B, T, W] → keys [B, S, W] after writing the new rows."""
+    def write(self, layer: int, latent: torch.Tensor) -> None:
+        """Store latent [B, T, W] at the write slots of ``layer``."""
         cache = self.pool[self.layer_offset + layer]
         cache.index_copy_(0, self.write_slots.reshape(-1), latent.reshape(-1, latent.shape[-1]).to(cache.dtype))
-        return cache[self.read_slots]
+
+    def update(self, layer: int, latent: torch.Tensor) -> torch.Tensor:
+        """latent [B, T, W] → keys [B, S, W] after writing the new rows."""
+        self.write(layer, latent)
+        return self.pool[self.layer_offset + layer][self.read_slots]
 
 
 class PagedLatentPool:

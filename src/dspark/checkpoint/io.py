@@ -177,15 +177,11 @@ def _lfs_problem(p: Path, size: int) -> Problem:
     )
 
 
-def _check_header(
-    p: Path, header: object, header_len: int, size: int
-) -> tuple[dict[str, TensorInfo], list[Problem]]:
+def _check_header(p: Path, header: object, header_len: int, size: int) -> tuple[dict[str, TensorInfo], list[Problem]]:
     problems: list[Problem] = []
     redownload = "re-download the file (the download or copy was interrupted or corrupted)"
     if not isinstance(header, dict):
-        return {}, [
-            Problem(f"{p}: safetensors header is a JSON {type(header).__name__}, not an object", redownload)
-        ]
+        return {}, [Problem(f"{p}: safetensors header is a JSON {type(header).__name__}, not an object", redownload)]
     infos: dict[str, TensorInfo] = {}
     spans: list[tuple[int, int, str]] = []
     for name, entry in header.items():
@@ -265,9 +261,7 @@ def _scan_file(path: str | os.PathLike[str]) -> tuple[dict[str, TensorInfo], lis
     if not p.exists():
         return {}, [Problem(f"{p} does not exist", "check the path, or download the checkpoint file")]
     if not p.is_file():
-        return {}, [
-            Problem(f"{p} is not a regular file", "pass a .safetensors file or a checkpoint directory")
-        ]
+        return {}, [Problem(f"{p} is not a regular file", "pass a .safetensors file or a checkpoint directory")]
     size = p.stat().st_size
     if is_lfs_pointer(p):
         return {}, [_lfs_problem(p, size)]
@@ -335,9 +329,7 @@ def _scan_index(index: Path) -> tuple[dict[str, TensorInfo], list[Problem]]:
         return {}, [Problem(f"{index} is not valid JSON ({e})", redownload)]
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        return {}, [
-            Problem(f"{index} has no 'weight_map' object mapping tensor names to shard files", redownload)
-        ]
+        return {}, [Problem(f"{index} has no 'weight_map' object mapping tensor names to shard files", redownload)]
     problems: list[Problem] = []
     by_shard: dict[str, list[str]] = {}
     for name, shard in weight_map.items():
@@ -364,8 +356,7 @@ def _scan_index(index: Path) -> tuple[dict[str, TensorInfo], list[Problem]]:
             else:
                 problems.append(
                     Problem(
-                        f"tensor {name!r} is mapped to {shard_path} by {index.name} but that shard has no "
-                        "such tensor",
+                        f"tensor {name!r} is mapped to {shard_path} by {index.name} but that shard has no such tensor",
                         f"fix {index.name}'s weight_map or re-download the shard",
                     )
                 )
@@ -612,9 +603,7 @@ def save_state_dict(
         for shard, names in plan.items():
             part = {k: tensors[k] for k in names}
             final = d / shard
-            staged.append(
-                (_write_temp(final, lambda tmp, part=part: save_file(part, tmp, metadata=meta)), final)
-            )
+            staged.append((_write_temp(final, lambda tmp, part=part: save_file(part, tmp, metadata=meta)), final))
         if index is not None:
             text = json.dumps(index, indent=2, sort_keys=False) + "\n"
             final = d / index_name

@@ -152,9 +152,7 @@ def compare_roster(
     checkpoint tensors that are fine to leave unused (e.g. ``"lm_head.*"``)."""
     globs = tuple(ignore_unexpected)
     missing = tuple(sorted(n for n in expected if n not in found))
-    unexpected = tuple(
-        sorted(n for n in found if n not in expected and not any(fnmatchcase(n, g) for g in globs))
-    )
+    unexpected = tuple(sorted(n for n in found if n not in expected and not any(fnmatchcase(n, g) for g in globs)))
     wrong_shape = []
     wrong_dtype = []
     for name in sorted(n for n in expected if n in found):
@@ -213,9 +211,7 @@ def raise_for_report(report: RosterReport, *, source: str) -> None:
         f"{len(report.wrong_shape)} wrong shape",
         f"{len(report.wrong_dtype)} wrong dtype",
     ]
-    raise CheckpointError(
-        problems, header=f"checkpoint {source} does not match the model ({', '.join(counts)}):"
-    )
+    raise CheckpointError(problems, header=f"checkpoint {source} does not match the model ({', '.join(counts)}):")
 
 
 def load_module_strict(
@@ -246,9 +242,7 @@ def load_module_strict(
     found = list_checkpoint_tensors(path)
     report = compare_roster(expected, found, ignore_unexpected=ignore_unexpected)
     ok_globs = tuple(extra_ok)
-    report = replace(
-        report, missing=tuple(n for n in report.missing if not any(fnmatchcase(n, g) for g in ok_globs))
-    )
+    report = replace(report, missing=tuple(n for n in report.missing if not any(fnmatchcase(n, g) for g in ok_globs)))
     raise_for_report(report, source=str(path))
 
     names = [n for n in expected if n in found]

@@ -181,6 +181,13 @@ class DSparkDrafter(nn.Module):
         logits = self.lm_head(h).float() if compute_logits else None
         return DraftOutput(hidden=h, base_logits=logits)
 
+    def inject_context(self, taps: torch.Tensor, positions: torch.Tensor, store) -> None:
+        """Context injection: write each layer's latent of the fused taps [B, T, m·Dt] at positions [B, T]."""
+        ctx = self.fuse_context(taps)
+        cos, sin = self.rotary.cos_sin(positions)
+        for i, layer in enumerate(self.layers):
+            store.write(i, layer.self_attn.latent(ctx, cos, sin))
+
     def confidence(self, hidden: torch.Tensor, prev_embeds: torch.Tensor | None) -> torch.Tensor | None:
         """Confidence logits [.., K] (None without a confidence head)."""
         if self.confidence_head is None:
@@ -203,3 +210,11 @@ class DSparkDrafter(nn.Module):
                 if file_name.startswith(theirs):
                     return ours + file_name[len(theirs) :]
         return file_name
+
+
+def block_mask(anchor_positions: torch.Tensor, block_size: int, num_keys: int) -> torch.Tensor:
+    """Inference visibility over keys at positions 0..S-1: every block row sees the context < anchor and the
+    whole block (anchor..anchor+K-1), non-causally. anchor_positions [B] → bool [B, K, S]."""
+    keys = torch.arange(num_keys, device=anchor_positions.device)
+    visible = keys[None, :] < (anchor_positions[:, None] + block_size)  # [B, S]
+    return visible[:, None, :].expand(-1, block_size, -1)

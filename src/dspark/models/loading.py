@@ -88,9 +88,7 @@ def load_drafter(path: str | Path, target: nn.Module, dtype: str | torch.dtype =
     path = Path(path)
     cfg = DraftConfig.load(path)
     model = DSparkDrafter(cfg)
-    load_module_strict(
-        model, path, rename=model.file_name, ignore_unexpected=("embed_tokens.weight", "lm_head.weight")
-    )
+    load_module_strict(model, path, rename=model.file_name, ignore_unexpected=("embed_tokens.weight", "lm_head.weight"))
     model.to(torch_dtype(dtype))
     lm_head: nn.Module = target.lm_head
     own = path / "lm_head.safetensors"

@@ -94,7 +94,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: TargetConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = MLAttention(cfg.mla, layer_idx)
-        self.mlp: nn.Module = MoE(cfg) if cfg.is_moe_layer(layer_idx) else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp: nn.Module = (
+            MoE(cfg) if cfg.is_moe_layer(layer_idx) else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        )
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -72,9 +72,7 @@ class SpsTable:
         rows = [_float_list("steps_per_s", row) for row in self.steps_per_s]
         if self.batch_sizes is None:
             if len(rows) != 1:
-                raise ValueError(
-                    "SPS table key 'steps_per_s' must have exactly one row when 'batch_sizes' is absent"
-                )
+                raise ValueError("SPS table key 'steps_per_s' must have exactly one row when 'batch_sizes' is absent")
             bs = None
         else:
             bs = _float_list("batch_sizes", self.batch_sizes)
@@ -122,9 +120,7 @@ class SpsTable:
             rows = (sps,)
         else:
             if not isinstance(sps, Sequence) or not all(isinstance(r, Sequence) for r in sps):
-                raise ValueError(
-                    "SPS table key 'steps_per_s' must be a list of rows when 'batch_sizes' is given"
-                )
+                raise ValueError("SPS table key 'steps_per_s' must be a list of rows when 'batch_sizes' is given")
             rows = tuple(sps)
         return cls(num_tokens=data["num_tokens"], steps_per_s=rows, batch_sizes=batch_sizes)
 
@@ -343,9 +339,7 @@ def _check_sts_data(logits: Sequence[Sequence[float]], accepted_prefix: Sequence
     k = len(logits[0])
     for i, (row, n) in enumerate(zip(logits, accepted_prefix)):
         if len(row) != k:
-            raise ValueError(
-                f"logits row {i} has {len(row)} positions, row 0 has {k}; STS needs fully verified blocks"
-            )
+            raise ValueError(f"logits row {i} has {len(row)} positions, row 0 has {k}; STS needs fully verified blocks")
         if not 0 <= n <= k:
             raise ValueError(f"accepted_prefix[{i}] = {n} is outside [0, {k}]")
     return k
@@ -442,19 +436,12 @@ def load_sts(path: str | Path) -> list[float]:
         raise ValueError(f"{path}: STS file must hold a JSON object")
     key = "sts_temperatures" if "sts_temperatures" in data else "temperatures"
     if key not in data:
-        raise ValueError(
-            f"{path}: STS file needs key 'sts_temperatures' (or 'temperatures'); has {sorted(data)}"
-        )
+        raise ValueError(f"{path}: STS file needs key 'sts_temperatures' (or 'temperatures'); has {sorted(data)}")
     temps = data[key]
     if (
         not isinstance(temps, list)
         or not temps
-        or any(
-            isinstance(t, bool) or not isinstance(t, int | float) or not (t > 0 and math.isfinite(t))
-            for t in temps
-        )
+        or any(isinstance(t, bool) or not isinstance(t, int | float) or not (t > 0 and math.isfinite(t)) for t in temps)
     ):
-        raise ValueError(
-            f"{path}: key '{key}' must be a non-empty list of positive finite floats, got {temps!r}"
-        )
+        raise ValueError(f"{path}: key '{key}' must be a non-empty list of positive finite floats, got {temps!r}")
     return [float(t) for t in temps]

@@ -1,10 +1,11 @@
-"""Acceptance rules for one speculative round: greedy match, token-wise rejection sampling, block verification.
+"""Acceptance rules for one speculative round: greedy match, token-wise rejection sampling, block
+verification.
 
 Shared conventions, for a batch of B requests with K draft slots:
 - d [B, K] holds the draft tokens d_1..d_K. L [B] (0..K) is how many of them each request verifies. Slots >= L
   are ignored and may hold anything, including -1 padding.
-- p [B, K+1, V] holds the target distributions. Row i is the distribution after prefix + d_<=i, so row 0 decides
-  d_1 and row L decides the bonus.
+- p [B, K+1, V] holds the target distributions. Row i is the distribution after prefix + d_<=i, so row 0
+  decides d_1 and row L decides the bonus.
 - q [B, K, V] holds the draft distributions: row i is the one d_{i+1} was sampled from. q=None means greedy
   drafting, which treats q as one-hot at d.
 - u_accept [B, K+1] and u_residual [B] are uniforms in (0, 1) from two different RNG streams (see rng.py).
@@ -28,9 +29,7 @@ class VerifyResult:
     next_token: torch.Tensor  # [B] int64: the correction token, or the bonus when all L were accepted
 
 
-def _check_shapes(
-    d: torch.Tensor, L: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None, *u: torch.Tensor
-) -> None:
+def _check_shapes(d: torch.Tensor, L: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None, *u: torch.Tensor) -> None:
     B, K = d.shape
     problems = []
     if L.shape != (B,):

@@ -53,9 +53,7 @@ def sample_anchors(loss_mask: Tensor, num_anchors: int, generator: torch.Generat
     return anchors, keep
 
 
-def block_targets(
-    input_ids: Tensor, loss_mask: Tensor, anchors: Tensor, keep: Tensor, K: int
-) -> tuple[Tensor, Tensor]:
+def block_targets(input_ids: Tensor, loss_mask: Tensor, anchors: Tensor, keep: Tensor, K: int) -> tuple[Tensor, Tensor]:
     """Labels and supervision mask of every block slot.
 
     input_ids [B, S] long, loss_mask [B, S] bool, anchors [B, A] long, keep [B, A] bool ->

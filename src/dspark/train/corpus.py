@@ -23,6 +23,7 @@ Usage: ``python -m dspark.train.corpus OUT_DIR [--source stdlib ...]``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -34,6 +35,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 SPLITS: tuple[str, ...] = ("train", "validation", "test")
 
@@ -195,18 +197,27 @@ def split_of(relpath: str, cfg: CorpusConfig) -> str:
 # ----------------------------------------------------------------------------- writing
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
+@contextlib.contextmanager
+def atomic_write(path: str | Path) -> Iterator[BinaryIO]:
+    """Open a temp file beside path for binary writing; on success fsync and rename it over path."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    with atomic_write(path) as f:
+        f.write(data)
 
 
 def build_corpus(out_dir: str | Path, cfg: CorpusConfig | None = None) -> CorpusManifest:
@@ -226,12 +237,10 @@ def build_corpus(out_dir: str | Path, cfg: CorpusConfig | None = None) -> Corpus
     splits: dict[str, SplitStats] = {}
     for name in SPLITS:
         data = b"".join(lines[name])
-        _atomic_write_bytes(out / f"{name}.jsonl", data)
-        splits[name] = SplitStats(
-            files=len(lines[name]), bytes=nbytes[name], sha256=hashlib.sha256(data).hexdigest()
-        )
+        atomic_write_bytes(out / f"{name}.jsonl", data)
+        splits[name] = SplitStats(files=len(lines[name]), bytes=nbytes[name], sha256=hashlib.sha256(data).hexdigest())
     manifest = CorpusManifest(python_version=platform.python_version(), config=cfg, splits=splits)
-    _atomic_write_bytes(out / "manifest.json", (json.dumps(manifest.to_json(), indent=2) + "\n").encode())
+    atomic_write_bytes(out / "manifest.json", (json.dumps(manifest.to_json(), indent=2) + "\n").encode())
     return manifest
 
 
@@ -241,9 +250,7 @@ def build_corpus(out_dir: str | Path, cfg: CorpusConfig | None = None) -> Corpus
 def load_manifest(corpus_dir: str | Path) -> CorpusManifest:
     path = Path(corpus_dir) / "manifest.json"
     if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} not found; build the corpus first (python -m dspark.train.corpus DIR)"
-        )
+        raise FileNotFoundError(f"{path} not found; build the corpus first (python -m dspark.train.corpus DIR)")
     return CorpusManifest.from_json(json.loads(path.read_text()))
 
 
@@ -251,9 +258,7 @@ def iter_documents(jsonl_path: str | Path) -> Iterator[dict]:
     """Yield the {"path", "text"} records of one split file."""
     path = Path(jsonl_path)
     if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} not found; build the corpus first (python -m dspark.train.corpus DIR)"
-        )
+        raise FileNotFoundError(f"{path} not found; build the corpus first (python -m dspark.train.corpus DIR)")
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -273,13 +278,9 @@ def iter_texts(jsonl_path: str | Path) -> Iterator[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description="Build the offline code corpus (train/validation/test jsonl)."
-    )
+    parser = argparse.ArgumentParser(description="Build the offline code corpus (train/validation/test jsonl).")
     parser.add_argument("out_dir")
-    parser.add_argument(
-        "--source", action="append", dest="sources", help="stdlib | site-packages:NAME | dir:PATH"
-    )
+    parser.add_argument("--source", action="append", dest="sources", help="stdlib | site-packages:NAME | dir:PATH")
     parser.add_argument("--max-file-bytes", type=int, default=CorpusConfig.max_file_bytes)
     parser.add_argument("--val-fraction", type=float, default=CorpusConfig.val_fraction)
     parser.add_argument("--test-fraction", type=float, default=CorpusConfig.test_fraction)

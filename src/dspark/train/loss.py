@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 # Above this many logits per input, chunk over blocks and recompute chunks in backward.
-DEFAULT_MAX_CHUNK_ELEMENTS = 1 << 24  # 16M fp32 values = 64 MiB per temporary
+DEFAULT_MAX_CHUNK_ELEMENTS = 1 << 22  # 4M values = 16 MiB per fp32 temporary
 _EPS = 1e-12
 
 
@@ -76,9 +76,7 @@ def _slot_terms(draft: Tensor, target: Tensor, labels: Tensor) -> tuple[Tensor, 
     return ce, l1
 
 
-def _all_slot_terms(
-    draft: Tensor, target: Tensor, labels: Tensor, max_chunk_elements: int
-) -> tuple[Tensor, Tensor]:
+def _all_slot_terms(draft: Tensor, target: Tensor, labels: Tensor, max_chunk_elements: int) -> tuple[Tensor, Tensor]:
     """Flattened [N, K, V] inputs -> (CE [N, K], L1 [N, K]); chunked + checkpointed when large."""
     N, K, V = draft.shape
     if draft.numel() <= max_chunk_elements:
@@ -86,8 +84,8 @@ def _all_slot_terms(
     rows = max(1, max_chunk_elements // (K * V))
     recompute = torch.is_grad_enabled() and (draft.requires_grad or target.requires_grad)
     ces, l1s = [], []
-    for start in range(0, N, rows):
-        d, t, y = draft[start : start + rows], target[start : start + rows], labels[start : start + rows]
+    # split (not slicing) so that backward concatenates the chunk gradients once.
+    for d, t, y in zip(draft.split(rows), target.split(rows), labels.split(rows)):
         if recompute:
             ce, l1 = checkpoint(_slot_terms, d, t, y, use_reentrant=False)
         else:
@@ -137,17 +135,20 @@ def dspark_loss(
     _check_shapes(draft_logits, target_logits, conf_logits, labels, eval_mask)
     B, A, K, V = draft_logits.shape
     device = draft_logits.device
+    mask = eval_mask.bool()
+    safe_labels = torch.where(mask, labels.long(), 0)  # unsupervised labels may be -100 or junk
 
     ce, l1 = _all_slot_terms(
         draft_logits.reshape(B * A, K, V),
         target_logits.reshape(B * A, K, V),
-        labels.reshape(B * A, K).long(),
+        safe_labels.reshape(B * A, K),
         max_chunk_elements,
     )
-    ce, l1 = ce.view(B, A, K), l1.view(B, A, K)
+    # where (not multiply) so that non-finite values in unsupervised slots cannot reach the sums.
+    ce = torch.where(mask, ce.view(B, A, K), 0.0)
+    l1 = torch.where(mask, l1.view(B, A, K), 0.0)
 
     dtype = ce.dtype
-    mask = eval_mask.bool()
     mask_f = mask.to(dtype)
     w = position_weights(K, weights.decay_gamma, device).to(dtype) * mask_f  # [B, A, K]
     if denominator is None:
@@ -161,6 +162,7 @@ def dspark_loss(
     c_star = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0) * mask_f  # [B, A, K]
     if conf_logits is not None and weights.confidence != 0.0:
         bce = F.binary_cross_entropy_with_logits(conf_logits.to(dtype), c_star, reduction="none")
+        bce = torch.where(mask, bce, 0.0)
         loss_conf = (w * bce).sum() / denom
     else:
         loss_conf = torch.zeros((), dtype=dtype, device=device)

@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
-import tempfile
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -32,7 +30,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from dspark.train.corpus import SPLITS, iter_texts, load_manifest
+from dspark.train.corpus import SPLITS, atomic_write, atomic_write_bytes, iter_texts, load_manifest
 
 BOS = "<|bos|>"
 EOS = "<|eos|>"
@@ -134,29 +132,13 @@ def format_chat(messages: Sequence[Mapping[str, str]], add_generation_prompt: bo
     return "".join(parts)
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def save_tokenizer(
-    tok: Tokenizer, directory: str | Path, model_max_length: int = DEFAULT_MODEL_MAX_LENGTH
-) -> None:
+def save_tokenizer(tok: Tokenizer, directory: str | Path, model_max_length: int = DEFAULT_MODEL_MAX_LENGTH) -> None:
     """Write tokenizer.json and tokenizer_config.json into directory (created if needed)."""
     out = Path(directory)
     _check_special_ids(tok, f"save_tokenizer({out})")
-    _atomic_write_bytes(out / TOKENIZER_FILE, tok.to_str(pretty=True).encode("utf-8"))
+    atomic_write_bytes(out / TOKENIZER_FILE, tok.to_str(pretty=True).encode("utf-8"))
     config = json.dumps(tokenizer_config(model_max_length), indent=2) + "\n"
-    _atomic_write_bytes(out / TOKENIZER_CONFIG_FILE, config.encode("utf-8"))
+    atomic_write_bytes(out / TOKENIZER_CONFIG_FILE, config.encode("utf-8"))
 
 
 def load_tokenizer(directory: str | Path) -> Tokenizer:
@@ -195,18 +177,8 @@ def encode_texts(texts: Iterable[str], tok: Tokenizer, batch_size: int = 64) -> 
 def encode_corpus(jsonl_path: str | Path, tok: Tokenizer, out_path: str | Path) -> int:
     """Tokenise a corpus split into a flat uint16 .npy (EOS after each document); return the count."""
     tokens = encode_texts(iter_texts(jsonl_path), tok)
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, tokens, allow_pickle=False)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(out_path) as f:
+        np.save(f, tokens, allow_pickle=False)
     return int(tokens.size)
 
 
@@ -214,9 +186,7 @@ def load_tokens(npy_path: str | Path) -> np.ndarray:
     """Memory-map a token array written by encode_corpus."""
     path = Path(npy_path)
     if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} not found; run `python -m dspark.train.tokenizer CORPUS_DIR OUT_DIR`"
-        )
+        raise FileNotFoundError(f"{path} not found; run `python -m dspark.train.tokenizer CORPUS_DIR OUT_DIR`")
     return np.load(path, mmap_mode="r", allow_pickle=False)
 
 
@@ -232,9 +202,7 @@ class TokenizedData:
     encode_seconds: float
 
 
-def build_tokenizer_and_data(
-    corpus_dir: str | Path, out_dir: str | Path, vocab_size: int = 8192
-) -> TokenizedData:
+def build_tokenizer_and_data(corpus_dir: str | Path, out_dir: str | Path, vocab_size: int = 8192) -> TokenizedData:
     """Train on the corpus's train split, save the tokenizer and one {split}.npy per split into out_dir."""
     corpus, out = Path(corpus_dir), Path(out_dir)
     manifest = load_manifest(corpus)
@@ -255,7 +223,7 @@ def build_tokenizer_and_data(
         encode_seconds=round(t2 - t1, 3),
     )
     summary = {**asdict(result), "corpus_manifest": manifest.to_json()}
-    _atomic_write_bytes(out / "data_manifest.json", (json.dumps(summary, indent=2) + "\n").encode("utf-8"))
+    atomic_write_bytes(out / "data_manifest.json", (json.dumps(summary, indent=2) + "\n").encode("utf-8"))
     return result
 
 

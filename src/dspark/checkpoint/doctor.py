@@ -1,0 +1,1027 @@
+"""The deployment doctor behind ``dspark check DRAFT_DIR [--target DIR] [--json]``.
+
+Runs the deployment checklist for a DSpark draft (and, with ``--target``, its pairing with the target) and
+reports every problem found, each with its fix. One small function per check; each returns the problems it
+found (``Problem(message, fix)``) or raises ``_Skip`` when its inputs are absent or already reported broken.
+Nothing here raises on broken input: configs are read as raw JSON first, checkpoints through their
+headers only, and weights one tensor (chunk) at a time with safetensors ``safe_open`` — never into a model.
+
+Checks, in order (``*`` = needs ``--target``): draft-config, target-config*, lfs-pointers, safetensors,
+roster, vocab, lm-head (borrowed from the target when the draft has none), embedding*, tokenizer (target dir,
+else draft dir), special-tokens, yarn*, target-layer-ids, hidden-size*, bf16, confidence-head, markov-head.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from dspark.checkpoint.io import (
+    SINGLE_FILE,
+    CheckpointError,
+    Problem,
+    TensorInfo,
+    is_lfs_pointer,
+    list_checkpoint_tensors,
+)
+from dspark.checkpoint.roster import TensorSpec, compare_roster, report_problems
+from dspark.config import ConfigError, DraftConfig
+
+__all__ = [
+    "CHECKS",
+    "CheckProblem",
+    "CheckReport",
+    "format_report",
+    "report_json",
+    "run_checks",
+]
+
+LM_HEAD_FILE = "lm_head.safetensors"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+BF16_MAX = torch.finfo(torch.bfloat16).max
+YARN_KEYS = (
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "rope_theta",
+)
+_CHUNK_ELEMENTS = 1 << 24  # bf16/finiteness scan reads at most this many elements at once
+_HEADS = ("markov_head.", "confidence_head.")  # presence checked by their own checks, not by the roster
+
+
+# ---------------------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class CheckProblem:
+    """One problem: the check that found it, what is wrong (naming the file/key/value) and how to fix it."""
+
+    check: str
+    message: str
+    fix: str
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    """Every problem found, and which checks passed or were skipped (with why, in ``skip_reasons``)."""
+
+    problems: tuple[CheckProblem, ...]
+    passed: tuple[str, ...]
+    skipped: tuple[str, ...]
+    skip_reasons: Mapping[str, str] = field(default_factory=dict, compare=False)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+class _Skip(Exception):
+    """A check cannot run: its inputs are absent (e.g. no --target) or broken (reported by another check)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+NEEDS_TARGET = "needs --target"
+
+
+# ---------------------------------------------------------------------------------------- inputs
+
+
+def _as_int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _id_set(v: Any) -> set[int]:
+    """A token id field (int, list of ints, or null) as a set."""
+    if _as_int(v) is not None:
+        return {v}
+    if isinstance(v, list):
+        return {i for i in v if _as_int(i) is not None}
+    return set()
+
+
+def _read_raw(d: Path) -> tuple[dict[str, Any] | None, Problem | None]:
+    """config.json of directory d as a dict, or the problem that prevents reading it."""
+    if not d.is_dir():
+        what = "is not a directory" if d.exists() else "does not exist"
+        return None, Problem(f"{d} {what}", "pass a model directory holding config.json and model.safetensors")
+    p = d / "config.json"
+    if not p.is_file():
+        return None, Problem(f"{p} is missing", "copy config.json from the model's repository into the directory")
+    if is_lfs_pointer(p):
+        return None, Problem(f"{p} is a Git LFS pointer file, not the config", "run `git lfs pull`")
+    try:
+        raw = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return None, Problem(f"{p} is not valid JSON ({e})", "fix the file or re-download it")
+    if not isinstance(raw, dict):
+        return None, Problem(f"{p} holds a JSON {type(raw).__name__}, not an object", "re-download the file")
+    return raw, None
+
+
+def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """Multimodal configs keep the language model's keys in text_config; top-level keys fill the gaps."""
+    text = raw.get("text_config")
+    if isinstance(text, dict) and "hidden_size" not in raw:
+        return {k: v for k, v in raw.items() if k != "text_config"} | text
+    return raw
+
+
+def _roster_view(raw: dict[str, Any]) -> dict[str, Any]:
+    """The draft config with the keys that do not affect the tensor roster made valid, so that a bad mask id
+    or bad layer ids are reported by their own checks instead of preventing the roster check."""
+    d = dict(raw)
+    ids = d.get("target_layer_ids")
+    n = len(ids) if isinstance(ids, list) and ids else 1
+    d["target_layer_ids"] = list(range(n))
+    d["target_num_hidden_layers"] = n + 1
+    archs = d.get("architectures")
+    if isinstance(archs, list) and archs and archs[0] == "Qwen3DSparkModel":
+        d["num_target_layers"] = n + 1
+    d["mask_token_id"] = 0
+    d.pop("draft_vocab_size", None)
+    return d
+
+
+@dataclass(frozen=True)
+class _Scan:
+    """A checkpoint's tensors read from its headers, or the problems that prevented it."""
+
+    path: Path
+    infos: Mapping[str, TensorInfo]
+    problems: tuple[Problem, ...]
+
+
+def _scan(path: Path) -> _Scan:
+    try:
+        return _Scan(path, list_checkpoint_tensors(path), ())
+    except CheckpointError as e:
+        return _Scan(path, {}, e.problems)
+
+
+@dataclass(frozen=True)
+class _Tokenizer:
+    """The tokenizer files found (target dir first, then draft dir) and what was read from them."""
+
+    json_path: Path | None
+    config_path: Path | None
+    tokenizer: Any = None  # tokenizers.Tokenizer
+    config: Mapping[str, Any] = field(default_factory=dict)
+    problems: tuple[Problem, ...] = ()
+    lfs: bool = False
+
+    def token_id(self, token: str) -> int | None:
+        if self.tokenizer is not None:
+            tid = self.tokenizer.token_to_id(token)
+            if tid is not None:
+                return int(tid)
+        decoder = self.config.get("added_tokens_decoder")
+        if isinstance(decoder, dict):
+            for k, v in decoder.items():
+                if isinstance(v, dict) and v.get("content") == token and str(k).isdigit():
+                    return int(k)
+        return None
+
+    def added_tokens(self) -> dict[int, str]:
+        """id -> content of the added (special) tokens, from tokenizer.json and tokenizer_config.json."""
+        out: dict[int, str] = {}
+        decoder = self.config.get("added_tokens_decoder")
+        if isinstance(decoder, dict):
+            out |= {int(k): v["content"] for k, v in decoder.items() if str(k).isdigit() and isinstance(v, dict)}
+        if self.tokenizer is not None:
+            out |= {int(i): t.content for i, t in self.tokenizer.get_added_tokens_decoder().items()}
+        return out
+
+
+def _token_string(v: Any) -> str | None:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, dict) and isinstance(v.get("content"), str):
+        return v["content"]
+    return None
+
+
+def _load_tokenizer(dirs: list[Path]) -> _Tokenizer:
+    json_path = next((d / TOKENIZER_FILE for d in dirs if (d / TOKENIZER_FILE).is_file()), None)
+    home = [json_path.parent] if json_path is not None else []
+    config_path = next((d / TOKENIZER_CONFIG_FILE for d in home + dirs if (d / TOKENIZER_CONFIG_FILE).is_file()), None)
+    found = [p for p in (json_path, config_path) if p is not None]
+    if any(is_lfs_pointer(p) for p in found):
+        return _Tokenizer(json_path, config_path, lfs=True)
+    problems: list[Problem] = []
+    tok = None
+    if json_path is not None:
+        try:
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_file(str(json_path))
+        except Exception as e:  # tokenizers raises its own exception type
+            problems.append(
+                Problem(f"{json_path} cannot be loaded by the tokenizers library ({e})", "re-download the file")
+            )
+    config: dict[str, Any] = {}
+    if config_path is not None:
+        try:
+            loaded = json.loads(config_path.read_text(encoding="utf-8"))
+            if not isinstance(loaded, dict):
+                raise ValueError(f"a JSON {type(loaded).__name__}, not an object")
+            config = loaded
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            problems.append(Problem(f"{config_path} is not a valid JSON object ({e})", "re-download the file"))
+    return _Tokenizer(json_path, config_path, tok, config, tuple(problems))
+
+
+class _Context:
+    """Everything the checks read, each read once and lazily; reading never raises."""
+
+    def __init__(self, draft_dir: Path, target_dir: Path | None) -> None:
+        self.draft_dir = draft_dir
+        self.target_dir = target_dir
+
+    @cached_property
+    def draft_config_read(self) -> tuple[dict[str, Any] | None, Problem | None]:
+        return _read_raw(self.draft_dir)
+
+    @cached_property
+    def target_config_read(self) -> tuple[dict[str, Any] | None, Problem | None]:
+        if self.target_dir is None:
+            return None, None
+        return _read_raw(self.target_dir)
+
+    @cached_property
+    def draft_cfg_parse(self) -> tuple[DraftConfig | None, Problem | None]:
+        raw = self.draft_config_read[0]
+        if raw is None:
+            return None, None
+        try:
+            return DraftConfig.from_dict(_roster_view(raw), source=str(self.draft_dir / "config.json")), None
+        except (ConfigError, TypeError, ValueError) as e:
+            return None, Problem(str(e), "fix config.json (compare with the official k3_dspark config)")
+
+    @cached_property
+    def draft_scan(self) -> _Scan:
+        return _scan(self.draft_dir)
+
+    @cached_property
+    def lm_head_scan(self) -> _Scan | None:
+        p = self.draft_dir / LM_HEAD_FILE
+        return _scan(p) if p.exists() else None
+
+    @cached_property
+    def target_scan(self) -> _Scan | None:
+        return _scan(self.target_dir) if self.target_dir is not None and self.target_dir.is_dir() else None
+
+    @cached_property
+    def tokenizer(self) -> _Tokenizer:
+        dirs = [d for d in (self.target_dir, self.draft_dir) if d is not None and d.is_dir()]
+        return _load_tokenizer(dirs)
+
+    @cached_property
+    def draft_roster(self) -> dict[str, TensorSpec]:
+        from dspark.models.loading import draft_roster
+
+        return draft_roster(self.cfg(), include_embedding=False)
+
+    # ---- accessors that skip the calling check when an input is missing ----
+    def raw(self) -> dict[str, Any]:
+        raw = self.draft_config_read[0]
+        if raw is None:
+            raise _Skip("the draft config.json is unusable: see draft-config")
+        return raw
+
+    def cfg(self) -> DraftConfig:
+        self.raw()
+        cfg = self.draft_cfg_parse[0]
+        if cfg is None:
+            raise _Skip("the draft config.json does not parse: see draft-config")
+        return cfg
+
+    def target(self) -> dict[str, Any]:
+        if self.target_dir is None:
+            raise _Skip(NEEDS_TARGET)
+        raw = self.target_config_read[0]
+        if raw is None:
+            raise _Skip("the target config.json is unusable: see target-config")
+        return _text_config(raw)
+
+    def tensors(self) -> Mapping[str, TensorInfo]:
+        """The draft model.safetensors tensors (from headers)."""
+        self.raw()
+        if self.draft_scan.problems:
+            raise _Skip("the draft weights are unreadable: see lfs-pointers / safetensors")
+        return self.draft_scan.infos
+
+    def target_tensors(self) -> Mapping[str, TensorInfo]:
+        self.target()
+        scan = self.target_scan
+        if scan is None or scan.problems:
+            raise _Skip("the target weights are unreadable: see lfs-pointers / safetensors")
+        return scan.infos
+
+    def vocab(self) -> int:
+        v = _as_int(self.raw().get("vocab_size"))
+        if v is None or v <= 0:
+            raise _Skip("the draft config has no valid vocab_size: see vocab")
+        return v
+
+    def hidden(self) -> int:
+        h = _as_int(self.raw().get("hidden_size"))
+        if h is None or h <= 0:
+            raise _Skip("the draft config has no valid hidden_size: see draft-config")
+        return h
+
+
+def _find(infos: Mapping[str, TensorInfo], suffix: str) -> str | None:
+    """The shortest tensor name equal to or ending in ``.suffix`` (e.g. 'model.embed_tokens.weight')."""
+    hits = [n for n in infos if n == suffix or n.endswith("." + suffix)]
+    return min(hits, key=len) if hits else None
+
+
+# ---------------------------------------------------------------------------------------- checks
+
+
+def check_draft_config(ctx: _Context) -> list[Problem]:
+    """config.json exists, is JSON, and parses as a k3_dspark / Qwen3DSpark draft config."""
+    return [p for p in (ctx.draft_config_read[1], ctx.draft_cfg_parse[1]) if p is not None]
+
+
+def check_target_config(ctx: _Context) -> list[Problem]:
+    if ctx.target_dir is None:
+        raise _Skip(NEEDS_TARGET)
+    raw, problem = ctx.target_config_read
+    if problem is not None:
+        return [problem]
+    assert raw is not None
+    t = _text_config(raw)
+    src = ctx.target_dir / "config.json"
+    return [
+        Problem(f"{src}: key '{k}' = {t.get(k)!r} is missing or not a positive integer", f"add '{k}' to {src}")
+        for k in ("vocab_size", "hidden_size", "num_hidden_layers")
+        if (_as_int(t.get(k)) or 0) <= 0
+    ]
+
+
+def _lfs_size(p: Path) -> str:
+    try:
+        m = re.search(rb"^size (\d+)\s*$", p.read_bytes(), re.MULTILINE)
+    except OSError:
+        return ""
+    return f"; the real file is {int(m.group(1)):,} bytes" if m else ""
+
+
+def check_lfs_pointers(ctx: _Context) -> list[Problem]:
+    """No file of the draft/target directories is a Git LFS pointer standing in for the real content."""
+    problems = []
+    for d in (ctx.draft_dir, ctx.target_dir):
+        if d is None or not d.is_dir():
+            continue
+        for p in sorted(d.iterdir()):
+            if is_lfs_pointer(p):
+                problems.append(
+                    Problem(
+                        f"{p} is a Git LFS pointer file ({p.stat().st_size} bytes), not the real file{_lfs_size(p)}",
+                        f"run `git lfs install && git lfs pull` in {d}, or download the real files, e.g. "
+                        "`huggingface-cli download <repo> --local-dir <dir>`",
+                    )
+                )
+    return problems
+
+
+def check_safetensors(ctx: _Context) -> list[Problem]:
+    """Every safetensors file has a valid header that matches its size (LFS pointers are reported above)."""
+    if not ctx.draft_dir.is_dir():
+        raise _Skip("the draft directory does not exist: see draft-config")
+    problems = []
+    for scan in (ctx.draft_scan, ctx.lm_head_scan, ctx.target_scan):
+        if scan is None:
+            continue
+        problems += [p for p in scan.problems if "Git LFS pointer" not in p.message]
+    return problems
+
+
+def check_roster(ctx: _Context) -> list[Problem]:
+    """Draft tensor names, shapes and dtypes match what config.json implies (the official roster)."""
+    found = ctx.tensors()
+    expected = dict(ctx.draft_roster)
+    embed = "embed_tokens.weight"
+    if embed in found:  # optional: a frozen copy of the target's embedding (always borrowed at load)
+        expected[embed] = TensorSpec((ctx.vocab(), ctx.hidden()))
+    report = compare_roster(expected, found, ignore_unexpected=("lm_head.weight",) + tuple(h + "*" for h in _HEADS))
+    report = replace(report, missing=tuple(n for n in report.missing if not n.startswith(_HEADS)))
+    return report_problems(report, source=str(ctx.draft_scan.path / SINGLE_FILE))
+
+
+def check_vocab(ctx: _Context) -> list[Problem]:
+    """vocab_size agrees with draft_vocab_size, with the embedding / lm_head rows, and with the target."""
+    raw = ctx.raw()
+    src = ctx.draft_dir / "config.json"
+    v = _as_int(raw.get("vocab_size"))
+    if v is None or v <= 0:
+        return [Problem(f"{src}: vocab_size = {raw.get('vocab_size')!r} is missing or invalid", "set vocab_size")]
+    problems = []
+    dv = raw.get("draft_vocab_size")
+    if dv is not None and dv != v:
+        problems.append(
+            Problem(
+                f"{src}: draft_vocab_size = {dv!r} differs from vocab_size = {v}",
+                f"a reduced draft vocabulary is not supported; set draft_vocab_size to {v}",
+            )
+        )
+    rows: list[tuple[str, Mapping[str, TensorInfo]]] = []
+    if not ctx.draft_scan.problems:
+        rows.append((str(ctx.draft_scan.path / SINGLE_FILE), ctx.draft_scan.infos))
+    if ctx.lm_head_scan is not None and not ctx.lm_head_scan.problems:
+        rows.append((str(ctx.lm_head_scan.path), ctx.lm_head_scan.infos))
+    for where, infos in rows:
+        for name in ("embed_tokens.weight", "lm_head.weight"):
+            info = infos.get(name)
+            if info is not None and info.shape and info.shape[0] != v:
+                problems.append(
+                    Problem(
+                        f"{where}: {name} has {info.shape[0]} rows but the draft vocab_size is {v}",
+                        "use the config.json that belongs to these weights (vocab_size = rows)",
+                    )
+                )
+    if ctx.target_dir is None or ctx.target_config_read[0] is None:
+        return problems
+    t = ctx.target()
+    tv = _as_int(t.get("vocab_size"))
+    if tv is not None and tv != v:
+        problems.append(
+            Problem(
+                f"draft vocab_size {v} != target vocab_size {tv} ({ctx.target_dir / 'config.json'})",
+                "the draft must share the target's vocabulary: use a draft trained for this target",
+            )
+        )
+    scan = ctx.target_scan
+    if tv is not None and scan is not None and not scan.problems:
+        for suffix in ("embed_tokens.weight", "lm_head.weight"):
+            name = _find(scan.infos, suffix)
+            info = scan.infos.get(name) if name else None
+            if info is not None and info.shape and info.shape[0] != tv:
+                problems.append(
+                    Problem(
+                        f"target {info.file}: {name} has {info.shape[0]} rows but the target vocab_size is {tv}",
+                        "use the target config.json that belongs to these weights",
+                    )
+                )
+    return problems
+
+
+def _shape_problem(where: str, name: str, got: tuple[int, ...], want: tuple[int, ...], fix: str) -> list[Problem]:
+    if tuple(got) == tuple(want):
+        return []
+    return [Problem(f"{where}: {name} has shape {list(got)}, the draft needs {list(want)} ([vocab, hidden])", fix)]
+
+
+def check_lm_head(ctx: _Context) -> list[Problem]:
+    """An lm_head [vocab, hidden] exists: the draft's own lm_head.safetensors (or in model.safetensors), or
+    the target's (borrowed), or the target's embedding when the target ties them."""
+    want = (ctx.vocab(), ctx.hidden())
+    own = ctx.lm_head_scan
+    if own is not None:
+        if own.problems:
+            raise _Skip(f"{own.path} is unreadable: see lfs-pointers / safetensors")
+        if "lm_head.weight" not in own.infos:
+            return [
+                Problem(
+                    f"{own.path} has no tensor 'lm_head.weight' (it has {sorted(own.infos)[:5]})",
+                    f"re-export {LM_HEAD_FILE} with the tensor named lm_head.weight, or delete it to borrow "
+                    "the target's lm_head",
+                )
+            ]
+        return _shape_problem(
+            str(own.path),
+            "lm_head.weight",
+            own.infos["lm_head.weight"].shape,
+            want,
+            f"re-export {LM_HEAD_FILE} from the draft's training run (the target's lm_head, [vocab, hidden])",
+        )
+    infos = ctx.tensors()
+    if "lm_head.weight" in infos:
+        return _shape_problem(
+            str(ctx.draft_scan.path / SINGLE_FILE),
+            "lm_head.weight",
+            infos["lm_head.weight"].shape,
+            want,
+            "re-export the draft with the lm_head of its target",
+        )
+    if ctx.target_dir is None:
+        raise _Skip(f"{NEEDS_TARGET}: the draft has no {LM_HEAD_FILE} and borrows the target's lm_head")
+    t = ctx.target()
+    target = ctx.target_tensors()
+    tied = bool(t.get("tie_word_embeddings", False))
+    name = _find(target, "embed_tokens.weight" if tied else "lm_head.weight")
+    fix = (
+        f"put the lm_head the draft was trained with into {ctx.draft_dir / LM_HEAD_FILE} (tensor "
+        f"lm_head.weight, shape {list(want)}), or pair the draft with the target it was trained for"
+    )
+    if name is None:
+        return [
+            Problem(
+                f"no lm_head: the draft has no {LM_HEAD_FILE} and the target checkpoint {ctx.target_dir} has "
+                f"no {'embed_tokens' if tied else 'lm_head'}.weight to borrow",
+                fix,
+            )
+        ]
+    got = target[name].shape
+    if tuple(got) != want:
+        return [
+            Problem(
+                f"no usable lm_head: the draft has no {LM_HEAD_FILE} and the target's {name} has shape "
+                f"{list(got)}, but the draft needs [vocab, hidden] = {list(want)}",
+                fix,
+            )
+        ]
+    return []
+
+
+def check_embedding(ctx: _Context) -> list[Problem]:
+    """The draft always borrows the target's embedding: it must be [draft vocab, draft hidden]."""
+    t = ctx.target()
+    want = (ctx.vocab(), ctx.hidden())
+    target = ctx.target_tensors()
+    name = _find(target, "embed_tokens.weight")
+    if name is None:
+        return [
+            Problem(
+                f"the target checkpoint {ctx.target_dir} has no embed_tokens.weight for the draft to borrow",
+                "point --target at the target model the draft was trained for",
+            )
+        ]
+    got = tuple(target[name].shape)
+    if got == want:
+        return []
+    return [
+        Problem(
+            f"the target's {name} has shape {list(got)} (hidden_size {t.get('hidden_size')}), but the draft "
+            f"needs [vocab, hidden] = {list(want)}",
+            "the draft's hidden_size must equal the target's: pair the draft with the target it was trained for",
+        )
+    ]
+
+
+def check_tokenizer(ctx: _Context) -> list[Problem]:
+    """tokenizer.json / tokenizer_config.json found (target dir, else draft dir), loadable, within vocab."""
+    tok = ctx.tokenizer
+    if tok.json_path is None and tok.config_path is None:
+        if ctx.target_dir is None:
+            raise _Skip(f"{NEEDS_TARGET}: no {TOKENIZER_FILE} in the draft dir")
+        return [
+            Problem(
+                f"no {TOKENIZER_FILE} or {TOKENIZER_CONFIG_FILE} in {ctx.target_dir} or {ctx.draft_dir}",
+                f"copy {TOKENIZER_FILE} and {TOKENIZER_CONFIG_FILE} from the target model's repository into "
+                f"{ctx.target_dir}",
+            )
+        ]
+    if tok.lfs:
+        raise _Skip("a tokenizer file is a Git LFS pointer: see lfs-pointers")
+    problems = list(tok.problems)
+    for role in ("bos", "eos", "pad", "mask", "unk") if tok.tokenizer is not None else ():
+        s = _token_string(tok.config.get(f"{role}_token"))
+        if s is not None and tok.token_id(s) is None:
+            problems.append(
+                Problem(
+                    f"{tok.config_path} declares {role}_token {s!r} but the tokenizer has no such token",
+                    f"fix {role}_token in {TOKENIZER_CONFIG_FILE} or use the matching {TOKENIZER_FILE}",
+                )
+            )
+    if tok.tokenizer is not None:
+        n = tok.tokenizer.get_vocab_size(with_added_tokens=True)
+        for who, raw in (("draft", ctx.draft_config_read[0]), ("target", ctx.target_config_read[0])):
+            v = _as_int(_text_config(raw).get("vocab_size")) if raw is not None else None
+            if v is not None and n > v:
+                problems.append(
+                    Problem(
+                        f"{tok.json_path} has {n} tokens but the {who} vocab_size is {v}: ids >= {v} have no "
+                        "embedding row",
+                        "use the tokenizer that belongs to the target model",
+                    )
+                )
+    return problems
+
+
+def _tokenizer_ids(ctx: _Context) -> dict[str, tuple[str, int]]:
+    """role -> (token, id) for the special tokens the tokenizer declares (mask also found by name)."""
+    tok = ctx.tokenizer
+    if tok.lfs or (tok.tokenizer is None and not tok.config):
+        return {}
+    out: dict[str, tuple[str, int]] = {}
+    for role in ("bos", "eos", "pad", "mask"):
+        s = _token_string(tok.config.get(f"{role}_token"))
+        tid = tok.token_id(s) if s is not None else None
+        if s is not None and tid is not None:
+            out[role] = (s, tid)
+    if "mask" not in out:
+        masks = [(c, i) for i, c in tok.added_tokens().items() if "mask" in c.lower()]
+        if len(masks) == 1:
+            out["mask"] = masks[0]
+    return out
+
+
+def check_special_tokens(ctx: _Context) -> list[Problem]:
+    """mask/bos/eos/pad ids are in the vocabulary and agree between draft, target and tokenizer."""
+    raw = ctx.raw()
+    src = ctx.draft_dir / "config.json"
+    v = ctx.vocab()
+    problems: list[Problem] = []
+    mask = raw.get("mask_token_id")
+    if _as_int(mask) is None:
+        problems.append(
+            Problem(
+                f"{src}: mask_token_id = {mask!r} is missing or not an integer",
+                "set mask_token_id to the id the draft was trained with (Kimi-K3-DSpark: 163837)",
+            )
+        )
+        mask = None
+    elif not 0 <= mask < v:
+        problems.append(
+            Problem(
+                f"{src}: mask_token_id {mask} is outside the vocabulary [0, {v})",
+                f"set mask_token_id to the (reserved) token id the draft was trained with; it must be < {v}",
+            )
+        )
+    draft_ids = {r: _id_set(raw.get(f"{r}_token_id")) for r in ("bos", "eos", "pad")}
+    for role, ids in draft_ids.items():
+        for i in sorted(ids):
+            if not 0 <= i < v:
+                problems.append(
+                    Problem(
+                        f"{src}: {role}_token_id {i} is outside [0, {v})",
+                        f"set {role}_token_id to the target's",
+                    )
+                )
+    target_ids: dict[str, set[int]] = {}
+    if ctx.target_dir is not None and ctx.target_config_read[0] is not None:
+        t = ctx.target()
+        target_ids = {r: _id_set(t.get(f"{r}_token_id")) for r in ("bos", "eos", "pad")}
+        for role in ("bos", "eos", "pad"):
+            d, tg = draft_ids[role], target_ids[role]
+            if d and tg and not d <= tg:
+                problems.append(
+                    Problem(
+                        f"{role}_token_id differs: draft {sorted(d)} vs target {sorted(tg)}",
+                        f"set {role}_token_id in {src} to the target's ({sorted(tg)})",
+                    )
+                )
+    for role, (token, tid) in _tokenizer_ids(ctx).items():
+        where = f"the tokenizer's {role}_token {token!r} is id {tid}"
+        if role == "mask":
+            if mask is not None and mask != tid:
+                problems.append(
+                    Problem(
+                        f"{where} but the draft mask_token_id is {mask}",
+                        f"set mask_token_id to {tid} in {src}, or use the tokenizer the draft was trained with",
+                    )
+                )
+            continue
+        for who, ids in (("draft", draft_ids.get(role, set())), ("target", target_ids.get(role, set()))):
+            if ids and tid not in ids:
+                problems.append(
+                    Problem(
+                        f"{where} but the {who} config has {role}_token_id {sorted(ids)}",
+                        f"make {role}_token_id in the {who} config.json and {TOKENIZER_CONFIG_FILE} agree "
+                        "(the target's tokenizer is the reference)",
+                    )
+                )
+    return problems
+
+
+def _rope(d: Mapping[str, Any]) -> tuple[bool, dict[str, Any]]:
+    """(uses YaRN, {key: value}) with the defaults the config classes use for absent keys."""
+    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if not isinstance(params, Mapping):
+        params = {}
+    kind = params.get("rope_type", params.get("type", "default"))
+    defaults = {"factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
+    values: dict[str, Any] = {}
+    for key in YARN_KEYS:
+        if key == "rope_theta":
+            value = params.get("rope_theta", d.get("rope_theta", 10000.0))
+        else:
+            value = params.get(key, defaults.get(key))
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            value = float(value)
+        values[key] = value
+    return kind in ("yarn", "deepseek_yarn"), values
+
+
+def check_yarn(ctx: _Context) -> list[Problem]:
+    """Where the target uses YaRN, the draft's YaRN parameters are identical to the target's."""
+    t = ctx.target()
+    raw = ctx.raw()
+    t_yarn, t_vals = _rope(t)
+    if not t_yarn:
+        return []
+    d_yarn, d_vals = _rope(raw)
+    src = ctx.draft_dir / "config.json"
+    if not d_yarn:
+        return [
+            Problem(
+                f"the target uses YaRN (factor {t_vals['factor']}) but {src} does not "
+                "(rope_parameters.rope_type is not 'yarn')",
+                f"copy the target's rope_parameters into {src}: {json.dumps(t_vals)}",
+            )
+        ]
+    return [
+        Problem(
+            f"YaRN {key} differs: draft {d_vals[key]!r} vs target {t_vals[key]!r}",
+            f"set rope_parameters.{key} = {t_vals[key]!r} in {src} (the draft must use the target's YaRN parameters)",
+        )
+        for key in YARN_KEYS
+        if d_vals[key] != t_vals[key]
+    ]
+
+
+def check_target_layer_ids(ctx: _Context) -> list[Problem]:
+    """target_layer_ids are strictly increasing, inside the target's depth, and not its last layer."""
+    raw = ctx.raw()
+    src = ctx.draft_dir / "config.json"
+    ids = raw.get("target_layer_ids")
+    if not isinstance(ids, list) or not ids or any(_as_int(i) is None for i in ids):
+        return [
+            Problem(
+                f"{src}: target_layer_ids = {ids!r} must be a non-empty list of integers",
+                "set target_layer_ids to the target layers the draft was trained on (Kimi-K3-DSpark: "
+                "[2, 23, 47, 71, 89])",
+            )
+        ]
+    problems = []
+    archs = raw.get("architectures")
+    gqa = isinstance(archs, list) and "Qwen3DSparkModel" in archs
+    declared = _as_int(raw.get("num_target_layers" if gqa else "target_num_hidden_layers"))
+    depth = declared
+    if ctx.target_dir is not None and ctx.target_config_read[0] is not None:
+        depth = _as_int(ctx.target().get("num_hidden_layers")) or declared
+        if declared is not None and depth is not None and declared != depth:
+            key = "num_target_layers" if gqa else "target_num_hidden_layers"
+            problems.append(
+                Problem(
+                    f"{src}: {key} = {declared} but the target has num_hidden_layers = {depth}",
+                    f"set {key} to {depth}, or pair the draft with the target it was trained for",
+                )
+            )
+    elif depth is None:
+        problems.append(
+            Problem(
+                f"{src}: target_num_hidden_layers is missing",
+                "add the target's num_hidden_layers to config.json",
+            )
+        )
+    if any(b <= a for a, b in zip(ids, ids[1:])):
+        problems.append(
+            Problem(
+                f"{src}: target_layer_ids {ids} are not strictly increasing",
+                "list the tapped layers in increasing order, each once (the taps' order in context_proj)",
+            )
+        )
+    if depth is None:
+        return problems
+    outside = [i for i in ids if not -1 <= i < depth]
+    if outside:
+        problems.append(
+            Problem(
+                f"{src}: target_layer_ids {outside} are outside the target's {depth} layers",
+                f"use ids in [0, {depth - 1}) (id i = the output of decoder layer i)",
+            )
+        )
+    if depth - 1 in ids:
+        problems.append(
+            Problem(
+                f"{src}: target_layer_ids include the target's last layer {depth - 1}; its output is not a valid tap",
+                f"use ids < {depth - 1}; note HF hidden_states[-1] is the post-norm final state, not layer "
+                f"{depth - 1}'s output (tap i = hidden_states[i + 1])",
+            )
+        )
+    return problems
+
+
+def check_hidden_size(ctx: _Context) -> list[Problem]:
+    """The target's hidden_size equals the draft's target_hidden_size (the width of each tap)."""
+    t = ctx.target()
+    raw = ctx.raw()
+    th = _as_int(t.get("hidden_size"))
+    dth = _as_int(raw.get("target_hidden_size")) or _as_int(raw.get("hidden_size"))
+    if th is None or dth is None or th == dth:
+        return []
+    return [
+        Problem(
+            f"the target hidden_size is {th} but the draft's target_hidden_size is {dth}",
+            "pair the draft with the target it was trained for (context_proj reads taps of width target_hidden_size)",
+        )
+    ]
+
+
+def _scan_values(file: str, name: str, info: TensorInfo) -> Problem | None:
+    """Read one floating tensor in row chunks; report NaN/Inf, or finite values that overflow in bf16."""
+    nan = inf = overflow = 0
+    peak = 0.0
+    with safe_open(file, framework="pt", device="cpu") as f:
+        if not info.shape:
+            chunks = iter([f.get_tensor(name)])
+        else:
+            sl = f.get_slice(name)
+            per_row = max(1, math.prod(info.shape[1:]))
+            step = max(1, _CHUNK_ELEMENTS // per_row)
+            chunks = (sl[a : a + step] for a in range(0, info.shape[0], step))
+        for x in chunks:
+            finite = torch.isfinite(x)
+            nan += int(torch.isnan(x).sum())
+            inf += int(torch.isinf(x).sum())
+            if info.dtype in ("F32", "F64") and bool(finite.any()):
+                big = torch.isinf(x.to(torch.bfloat16)) & finite
+                overflow += int(big.sum())
+                if overflow:
+                    peak = max(peak, float(x[finite].abs().max()))
+    if nan or inf:
+        return Problem(
+            f"{file}: tensor {name!r} has {nan} NaN and {inf} Inf values",
+            "the checkpoint is corrupt or training diverged: re-export it from a good training checkpoint",
+        )
+    if overflow:
+        return Problem(
+            f"{file}: tensor {name!r} ({info.dtype}) has {overflow} values that overflow to inf in bf16 "
+            f"(max |w| = {peak:.4g} > bf16 max {BF16_MAX:.4g})",
+            "the weights cannot be served in bf16: find why they are so large (diverged training) and "
+            "re-export a sane checkpoint",
+        )
+    return None
+
+
+def check_bf16(ctx: _Context) -> list[Problem]:
+    """Every floating weight of the draft (and its own lm_head) is finite and representable in bf16."""
+    ctx.raw()
+    scans = [s for s in (ctx.draft_scan, ctx.lm_head_scan) if s is not None and not s.problems]
+    if not scans:
+        raise _Skip("the draft weights are unreadable: see lfs-pointers / safetensors")
+    problems = []
+    for scan in scans:
+        for name in sorted(scan.infos):
+            info = scan.infos[name]
+            if info.dtype in ("F16", "BF16", "F32", "F64"):
+                p = _scan_values(info.file, name, info)
+                if p is not None:
+                    problems.append(p)
+    return problems
+
+
+def _head_presence(ctx: _Context, prefix: str) -> tuple[list[str], list[str]]:
+    """(expected names missing from the checkpoint, checkpoint names with this prefix)."""
+    found = ctx.tensors()
+    expected = [n for n in ctx.draft_roster if n.startswith(prefix)]
+    present = sorted(n for n in found if n.startswith(prefix))
+    return [n for n in expected if n not in found], present
+
+
+def check_confidence_head(ctx: _Context) -> list[Problem]:
+    """confidence_head tensors present when enable_confidence_head is true, absent when it is false."""
+    cfg = ctx.cfg()
+    missing, present = _head_presence(ctx, "confidence_head.")
+    src = ctx.draft_dir / "config.json"
+    if cfg.enable_confidence_head and missing:
+        return [
+            Problem(
+                f"{src} has enable_confidence_head: true but the checkpoint lacks {missing}",
+                "use the checkpoint that includes the trained confidence head, or set "
+                "enable_confidence_head: false (adaptive verification then cannot be used)",
+            )
+        ]
+    if not cfg.enable_confidence_head and present:
+        return [
+            Problem(
+                f"{src} has enable_confidence_head: false but the checkpoint has {present}",
+                "set enable_confidence_head: true to use the trained head (and check "
+                "confidence_head_with_markov against its input width), or remove the tensors",
+            )
+        ]
+    return []
+
+
+def check_markov_head(ctx: _Context) -> list[Problem]:
+    """markov_head tensors present if and only if markov_rank > 0."""
+    cfg = ctx.cfg()
+    missing, present = _head_presence(ctx, "markov_head.")
+    src = ctx.draft_dir / "config.json"
+    if cfg.markov_rank > 0 and missing:
+        return [
+            Problem(
+                f"{src} has markov_rank {cfg.markov_rank} but the checkpoint lacks {missing}",
+                "use the checkpoint that includes the Markov head, or set markov_rank: 0 if the draft was "
+                "trained without one",
+            )
+        ]
+    if cfg.markov_rank == 0 and present:
+        w1 = ctx.tensors().get("markov_head.markov_w1.weight")
+        rank = f" to {w1.shape[1]}" if w1 is not None and len(w1.shape) == 2 else ""
+        return [
+            Problem(
+                f"{src} has markov_rank 0 but the checkpoint has Markov head tensors {present}",
+                f"set markov_rank{rank} (and markov_head_type) so the trained Markov head is used",
+            )
+        ]
+    return []
+
+
+# ---------------------------------------------------------------------------------------- driver
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    run: Callable[[_Context], list[Problem]]
+    title: str
+
+
+CHECKS: tuple[Check, ...] = (
+    Check("draft-config", check_draft_config, "draft config.json parses as a DSpark draft config"),
+    Check("target-config", check_target_config, "target config.json is readable"),
+    Check("lfs-pointers", check_lfs_pointers, "no Git LFS pointer files in place of real files"),
+    Check("safetensors", check_safetensors, "safetensors files match their headers"),
+    Check("roster", check_roster, "draft tensor names, shapes and dtypes match config.json"),
+    Check("vocab", check_vocab, "vocab_size matches embedding/lm_head rows and the target"),
+    Check("lm-head", check_lm_head, "an lm_head [vocab, hidden] is available (own file or the target's)"),
+    Check("embedding", check_embedding, "the target's embedding is [vocab, draft hidden]"),
+    Check("tokenizer", check_tokenizer, "tokenizer found, loadable and within the vocabulary"),
+    Check("special-tokens", check_special_tokens, "mask/bos/eos/pad ids agree with each other and the vocab"),
+    Check("yarn", check_yarn, "draft YaRN parameters equal the target's"),
+    Check("target-layer-ids", check_target_layer_ids, "target_layer_ids increasing, inside the target, not last"),
+    Check("hidden-size", check_hidden_size, "target hidden_size == draft target_hidden_size"),
+    Check("bf16", check_bf16, "weights finite and representable in bf16"),
+    Check("confidence-head", check_confidence_head, "confidence head tensors match enable_confidence_head"),
+    Check("markov-head", check_markov_head, "Markov head tensors present iff markov_rank > 0"),
+)
+
+
+def run_checks(draft_dir: str | Path, target_dir: str | Path | None = None) -> CheckReport:
+    """Run every check on a draft directory (and its target, when given); never raises on broken input."""
+    ctx = _Context(Path(draft_dir), Path(target_dir) if target_dir is not None else None)
+    problems: list[CheckProblem] = []
+    passed: list[str] = []
+    skipped: list[str] = []
+    reasons: dict[str, str] = {}
+    for check in CHECKS:
+        try:
+            found = check.run(ctx)
+        except _Skip as s:
+            skipped.append(check.name)
+            reasons[check.name] = s.reason
+            continue
+        except Exception as e:  # a check must never take the doctor down; report it as a problem instead
+            found = [
+                Problem(
+                    f"the check could not complete: {type(e).__name__}: {e}",
+                    "fix the problems reported above and re-run; if it persists, report this as a dspark bug",
+                )
+            ]
+        if found:
+            problems += [CheckProblem(check.name, p.message, p.fix) for p in found]
+        else:
+            passed.append(check.name)
+    return CheckReport(tuple(problems), tuple(passed), tuple(skipped), reasons)
+
+
+def report_json(report: CheckReport) -> dict[str, Any]:
+    """The ``check --json`` schema: ``{"ok": bool, "problems": [{"check", "message", "fix"}]}`` (all str)."""
+    return {
+        "ok": report.ok,
+        "problems": [{"check": p.check, "message": p.message, "fix": p.fix} for p in report.problems],
+    }
+
+
+def format_report(report: CheckReport, *, ascii_only: bool = False) -> str:
+    """Human output in check order: ✔ per passed check, ✖ + fix per problem, – per skipped check (and why)."""
+    ok_mark, bad_mark, dash = ("OK", "X", "-") if ascii_only else ("✔", "✖", "–")
+    by_check: dict[str, list[CheckProblem]] = {}
+    for p in report.problems:
+        by_check.setdefault(p.check, []).append(p)
+    lines = []
+    for check in CHECKS:
+        if check.name in report.passed:
+            lines.append(f"{ok_mark} {check.name}: {check.title}")
+        for p in by_check.get(check.name, []):
+            lines.append(f"{bad_mark} {check.name}: {p.message} {dash} fix: {p.fix}")
+        if check.name in report.skipped:
+            lines.append(f"{dash} {check.name}: skipped ({report.skip_reasons.get(check.name, 'not run')})")
+    n_checks = len(report.passed) + len({p.check for p in report.problems})
+    skipped = f", {len(report.skipped)} skipped" if report.skipped else ""
+    if report.ok:
+        lines.append(f"{ok_mark} all {n_checks} checks passed{skipped}")
+    else:
+        n = len(report.problems)
+        lines.append(f"{bad_mark} {n} problem{'s' if n != 1 else ''} in {len(by_check)} of {n_checks} checks{skipped}")
+    return "\n".join(lines)

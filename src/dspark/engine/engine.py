@@ -1,0 +1,341 @@
+"""The speculative engine: schedule → prefill | propose → choose verify lengths → verify → accept → commit."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+import warnings
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dspark.cache.allocator import BlockManager, PageAllocator
+from dspark.cache.latent import PagedLatentPool
+from dspark.config import CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
+from dspark.engine.metrics import EngineMetrics
+from dspark.engine.request import Request, Status
+from dspark.engine.runner import ModelRunner
+from dspark.engine.scheduler import PrefillChunk, Scheduler
+from dspark.models.drafter import DSparkDrafter
+from dspark.models.target import MLATarget
+from dspark.sampling_params import SamplingParams
+from dspark.spec.accept import accept, sample_next
+from dspark.spec.propose import Proposal, SamplingTensors
+from dspark.spec.schedule import SpsTable, choose_verify_lengths, default_cost_model, load_sts
+from dspark.tokenizer import ByteTokenizer, HFTokenizer
+
+
+class EngineError(ValueError):
+    """A request cannot be served as given (the message says why and what to change)."""
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    stop_reason: str | int | None
+    spec_metrics: dict = field(default_factory=dict)
+    num_preemptions: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+
+@dataclass
+class AdaptivePolicy:
+    """Confidence-scheduled verification (Algorithm 1) with STS temperatures and a cost table."""
+
+    temperatures: list[float] | None
+    sps: SpsTable
+    min_len: int
+
+    def lengths(self, conf_logits: torch.Tensor, caps: list[int]) -> list[int]:
+        z = conf_logits.float()
+        if self.temperatures is not None:
+            t = torch.tensor(self.temperatures[: z.shape[1]], dtype=torch.float32)
+            z = z / t
+        conf = torch.sigmoid(z).tolist()
+        rows = [c[:cap] for c, cap in zip(conf, caps)]
+        sched = choose_verify_lengths(rows, self.sps, min_len=self.min_len)
+        return sched.lengths
+
+
+class Engine:
+    def __init__(
+        self,
+        target: MLATarget,
+        drafter: DSparkDrafter | None = None,
+        speculative_config: SpeculativeConfig | None = None,
+        engine_config: EngineConfig | None = None,
+        cache_config: CacheConfig | None = None,
+        tokenizer: HFTokenizer | ByteTokenizer | None = None,
+        adaptive: AdaptivePolicy | None = None,
+    ) -> None:
+        self.cfg = engine_config or EngineConfig()
+        self.spec = speculative_config
+        if self.spec is not None and self.spec.method in ("dspark", "dflash") and drafter is None:
+            raise ConfigError(f"speculative config: method '{self.spec.method}' needs a drafter ('model' key)")
+        self.target = target
+        self.drafter = drafter if self.spec is not None and self.spec.method != "ngram" else None
+        tcfg = target.config
+        self.max_model_len = self.cfg.max_model_len or min(tcfg.max_position_embeddings, 32768)
+        self.tokenizer = tokenizer or ByteTokenizer(tcfg.vocab_size, tcfg.eos_token_ids)
+        self.eos_ids = set(tcfg.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()))
+        self.K = self.spec.num_speculative_tokens if self.spec else 0
+        ccfg = cache_config or CacheConfig()
+        num_pages = ccfg.num_pages or math.ceil(self.cfg.max_num_seqs * min(self.max_model_len, 4096) / ccfg.page_size)
+        n_layers = target.num_layers + (len(self.drafter.layers) if self.drafter is not None else 0)
+        width = target.latent_dim
+        if self.drafter is not None and self.drafter.latent_dim != width:
+            raise ConfigError(
+                f"drafter latent width {self.drafter.latent_dim} != target latent width {width}: the unified "
+                "paged cache needs one page format (576-wide MLA latents for K3)"
+            )
+        dtype = next(target.parameters()).dtype
+        self.pool = PagedLatentPool(n_layers, num_pages, ccfg.page_size, width, dtype)
+        self.blocks = BlockManager(PageAllocator(num_pages, ccfg.page_size))
+        self.scheduler = Scheduler(self.blocks, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, self.K + 1)
+        self.runner = ModelRunner(target, self.drafter, self.blocks, self.pool)
+        self.metrics = EngineMetrics(log_interval_s=self.cfg.log_stats_interval_s)
+        self.adaptive = adaptive
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._updated: list[Request] = []
+
+    # ---- request API ---------------------------------------------------------------------------------
+    @property
+    def num_pages_free(self) -> int:
+        return self.blocks.allocator.num_free()
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def add_request(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> Request:
+        params = params or SamplingParams()
+        ids = list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(prompt)
+        bos = self.target.config.bos_token_id
+        if isinstance(prompt, str) and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos, *ids]
+        if not ids:
+            raise EngineError("prompt is empty; give at least one token")
+        vocab = self.target.config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise EngineError(f"prompt token ids must be in [0, {vocab}); got {min(ids)}..{max(ids)}")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise EngineError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context "
+                f"length {self.max_model_len}; shorten the prompt or lower max_tokens"
+            )
+        if self.blocks.allocator.pages_for(len(ids) + params.max_tokens + self.K + 1) > self.pool.num_pages:
+            raise EngineError("the request alone does not fit the KV cache pool; raise CacheConfig.num_pages")
+        if len(self.scheduler.waiting) >= self.cfg.max_waiting:
+            raise EngineError(f"the waiting queue is full ({self.cfg.max_waiting}); retry later")
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise EngineError(f"request id {rid!r} is already in use")
+        seed = params.seed if params.seed is not None else zlib.crc32(f"{self.cfg.seed}:{rid}".encode())
+        req = Request(rid, ids, params, seed)
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        self.metrics.prompt_tokens += len(ids)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return
+        req.aborted = True
+        self._finish(req, "abort")
+        self.metrics.num_requests_aborted += 1
+
+    # ---- the loop --------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        self.metrics.num_preemptions += len(sched.preempted)
+        if sched.prefills:
+            self._prefill(sched.prefills)
+        decodes = [r for r in sched.decodes if not r.finished]
+        if decodes:
+            sampling = self.runner.sampling_tensors(decodes, self.K + 1)
+            proposal = self._propose(decodes, sampling)  # drafter block, n-gram lookup, or none
+            lengths = self._verify_lengths(decodes, proposal)  # fixed K or Algorithm 1
+            logits = self._verify(decodes, proposal, lengths)  # one target forward over [anchor, d_1..d_L]
+            self._accept_and_commit(decodes, proposal, lengths, logits, sampling)
+        self.metrics.maybe_log()
+        return self._drain()
+
+    # ---- phases ------------------------------------------------------------------------------------------
+    def _prefill(self, chunks: list[PrefillChunk]) -> None:
+        reqs = [c.request for c in chunks]
+        tokens = [c.request.all_ids[c.start : c.end] for c in chunks]
+        logits = self.runner.target_forward(reqs, [c.start for c in chunks], tokens, last_only=True)
+        first = [i for i, c in enumerate(chunks) if c.end == c.request.prefill_target and not c.request.output_ids]
+        for c in chunks:
+            c.request.num_computed = c.end
+            self.blocks.set_length(c.request.request_id, c.end)
+        if first:
+            sub = [reqs[i] for i in first]
+            sampling = self.runner.sampling_tensors(sub, 1, anchor_offset=-1)
+            tokens_out = sample_next(logits[first, 0], sampling).tolist()
+            for req, tok in zip(sub, tokens_out):
+                self._append(req, [tok])
+
+    def _propose(self, reqs: list[Request], sampling: SamplingTensors) -> Proposal | None:
+        if self.spec is None:
+            return None
+        if self.spec.method == "ngram":
+            return self.runner.propose_ngram(reqs, self.K, self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
+        return self.runner.propose_draft(
+            reqs,
+            sampling,
+            probabilistic=self.spec.draft_sample_method == "probabilistic",
+            use_markov=self.spec.method == "dspark",
+            topk=self.spec.dspark_draft_topk,
+        )
+
+    def _verify_lengths(self, reqs: list[Request], proposal: Proposal | None) -> list[int]:
+        """Per request: drafts to verify, capped by what the request may still emit and the context length."""
+        if proposal is None:
+            return [0] * len(reqs)
+        caps = [
+            max(0, min(int(n), r.remaining_tokens, self.max_model_len - r.num_computed - 1))
+            for r, n in zip(reqs, proposal.lengths.tolist())
+        ]
+        if self.adaptive is not None and proposal.confidence is not None:
+            return [min(ell, cap) for ell, cap in zip(self.adaptive.lengths(proposal.confidence, caps), caps)]
+        return caps
+
+    def _verify(self, reqs: list[Request], proposal: Proposal | None, lengths: list[int]) -> torch.Tensor:
+        rows = []
+        for i, (r, ell) in enumerate(zip(reqs, lengths)):
+            drafts = proposal.tokens[i, :ell].tolist() if proposal is not None else []
+            rows.append([r.all_ids[r.num_computed], *drafts])
+        return self.runner.target_forward(reqs, [r.num_computed for r in reqs], rows, last_only=False)
+
+    def _accept_and_commit(
+        self,
+        reqs: list[Request],
+        proposal: Proposal | None,
+        lengths: list[int],
+        logits: torch.Tensor,
+        sampling: SamplingTensors,
+    ) -> None:
+        if proposal is None:
+            accepted = [0] * len(reqs)
+            nxt = sample_next(logits[:, 0], sampling).tolist()
+        else:
+            rule = self.spec.rejection_sample_method if self.spec else "standard"
+            K = self.K
+            padded = torch.nn.functional.pad(logits, (0, 0, 0, K + 1 - logits.shape[1]))
+            res = accept(proposal, torch.tensor(lengths), padded, sampling, rule)
+            accepted, nxt = res.num_accepted.tolist(), res.next_token.tolist()
+        self.metrics.spec.num_steps += 1
+        for i, req in enumerate(reqs):
+            n = accepted[i]
+            drafts = proposal.tokens[i, :n].tolist() if proposal is not None else []
+            req.num_computed += n + 1
+            self.blocks.set_length(req.request_id, req.num_computed)
+            if proposal is not None:
+                req.spec.record(lengths[i], n)
+                self.metrics.spec.record(lengths[i], n)
+            self._append(req, [*drafts, nxt[i]])
+
+    # ---- commit helpers --------------------------------------------------------------------------------
+    def _append(self, req: Request, tokens: list[int]) -> None:
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        p = req.params
+        for tok in tokens:
+            req.output_ids.append(tok)
+            self.metrics.generation_tokens += 1
+            if not p.ignore_eos and tok in self.eos_ids:
+                return self._finish(req, "stop", tok)
+            if tok in p.stop_token_ids:
+                return self._finish(req, "stop", tok)
+            if p.stop:
+                text = self.tokenizer.decode(req.output_ids)
+                hit = next((s for s in p.stop if s in text), None)
+                if hit is not None:
+                    return self._finish(req, "stop", hit)
+            if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+                return self._finish(req, "length")
+        self._updated.append(req)
+
+    def _finish(self, req: Request, reason: str, stop_reason: str | int | None = None) -> None:
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+        req.finish_time = time.monotonic()
+        self.scheduler.release(req)
+        if reason != "abort":
+            self.metrics.num_requests_finished += 1
+        self._updated.append(req)
+
+    def output_of(self, req: Request) -> RequestOutput:
+        text = self.tokenizer.decode(req.output_ids)
+        if isinstance(req.stop_reason, str) and req.stop_reason in text:
+            text = text[: text.index(req.stop_reason)]
+        s = req.spec
+        spec = {
+            "acceptance_length": s.acceptance_length,
+            "num_drafts": s.num_drafts,
+            "num_draft_tokens": s.num_draft_tokens,
+            "num_accepted_tokens": s.num_accepted_tokens,
+            "accepted_per_pos": list(s.accepted_per_pos),
+        }
+        return RequestOutput(
+            req.request_id,
+            list(req.prompt_ids),
+            list(req.output_ids),
+            text,
+            req.finished,
+            req.finish_reason,
+            req.stop_reason,
+            spec,
+            req.num_preemptions,
+            req.arrival,
+            req.first_token_time,
+            req.finish_time,
+        )
+
+    def _drain(self) -> list[RequestOutput]:
+        seen: dict[str, Request] = {r.request_id: r for r in self._updated}
+        self._updated.clear()
+        outs = [self.output_of(r) for r in seen.values()]
+        for r in seen.values():
+            if r.finished:
+                self.requests.pop(r.request_id, None)
+        return outs
+
+
+def load_adaptive(spec: SpeculativeConfig, draft_dir: Path | None, target_dir: Path | None) -> AdaptivePolicy:
+    """STS temperatures + SPS cost table from the paths in the config, or files next to the draft/target."""
+    candidates = [Path(spec.calibration_path)] if spec.calibration_path else []
+    candidates += [d / "sts_calibration.json" for d in (draft_dir, target_dir) if d is not None]
+    sts = next((p for p in candidates if p.exists()), None)
+    costs = [Path(spec.cost_table_path)] if spec.cost_table_path else []
+    costs += [d / "sps_profile.json" for d in (target_dir, draft_dir) if d is not None]
+    cost = next((p for p in costs if p.exists()), None)
+    if sts is None or cost is None:
+        warnings.warn(
+            "adaptive verification: "
+            + ("no STS calibration file (run `dspark calibrate`); using raw confidences. " if sts is None else "")
+            + ("no cost table (run `dspark profile`); using the default cost model." if cost is None else ""),
+            stacklevel=2,
+        )
+    return AdaptivePolicy(
+        temperatures=load_sts(sts) if sts is not None else None,
+        sps=SpsTable.load(cost) if cost is not None else default_cost_model(),
+        min_len=spec.min_verify_len,
+    )

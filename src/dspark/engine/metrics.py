@@ -1,0 +1,72 @@
+"""Engine-wide counters: speculative decoding (vLLM names), verify lengths, requests and tokens."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+logger = logging.getLogger("dspark")
+
+
+@dataclass
+class SpecDecodingMetrics:
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    verify_len_hist: Counter = field(default_factory=Counter)
+    num_steps: int = 0
+    verify_tokens: int = 0  # target rows verified (anchor + drafts), summed over steps
+
+    def record(self, verify_len: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += verify_len
+        self.num_accepted_tokens += accepted
+        self.verify_len_hist[verify_len] += 1
+        self.verify_tokens += verify_len + 1
+        if len(self.accepted_per_pos) < verify_len:
+            self.accepted_per_pos.extend([0] * (verify_len - len(self.accepted_per_pos)))
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
+
+    @property
+    def acceptance_length(self) -> float | None:
+        """τ = 1 + accepted / drafts (counts the bonus token)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / self.num_drafts for a in self.accepted_per_pos] if self.num_drafts else []
+
+    @property
+    def verify_tokens_per_step(self) -> float | None:
+        return self.verify_tokens / self.num_steps if self.num_steps else None
+
+    def log_line(self) -> str:
+        tau = self.acceptance_length
+        rates = ", ".join(f"{r:.3f}" for r in self.per_position_acceptance)
+        return (
+            f"SpecDecoding metrics: Mean acceptance length: {tau or 0.0:.2f}, "
+            f"Accepted: {self.num_accepted_tokens} tokens, Drafted: {self.num_draft_tokens} tokens, "
+            f"Per-position acceptance rate: {rates}"
+        )
+
+
+@dataclass
+class EngineMetrics:
+    spec: SpecDecodingMetrics = field(default_factory=SpecDecodingMetrics)
+    num_requests_finished: int = 0
+    num_requests_aborted: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    log_interval_s: float = 10.0
+    _last_log: float = field(default_factory=time.monotonic)
+
+    def maybe_log(self) -> None:
+        now = time.monotonic()
+        if self.spec.num_drafts and now - self._last_log >= self.log_interval_s:
+            self._last_log = now
+            logger.info(self.spec.log_line())

@@ -1,0 +1,84 @@
+"""A generation request and its state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from dspark.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SpecStats:
+    """Per-request speculative counters (vLLM semantics)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    verify_lengths: list[int] = field(default_factory=list)
+
+    def record(self, verify_len: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += verify_len
+        self.num_accepted_tokens += accepted
+        self.verify_lengths.append(verify_len)
+        if len(self.accepted_per_pos) < verify_len:
+            self.accepted_per_pos.extend([0] * (verify_len - len(self.accepted_per_pos)))
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
+
+    @property
+    def acceptance_length(self) -> float | None:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0  # tokens whose target latents are in the cache (positions 0..num_computed-1)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    spec: SpecStats = field(default_factory=SpecStats)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    aborted: bool = False
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens that need target latents before decoding: all but the anchor (the last, not-yet-seen token)."""
+        return self.num_tokens - 1 if self.output_ids else self.num_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.prefill_target
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.params.max_tokens - len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,136 @@
+"""The model runner: everything that touches tensors (batch building, target/drafter forwards, sampling inputs).
+
+Host/device conversion happens here only; the scheduler and allocator stay pure Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dspark.cache.allocator import BlockManager
+from dspark.cache.latent import PagedLatentPool
+from dspark.engine.request import Request
+from dspark.models.drafter import DSparkDrafter
+from dspark.models.target import MLATarget
+from dspark.spec.propose import Proposal, SamplingTensors, draft_block, ngram_propose
+from dspark.spec.rng import round_counters
+
+
+@dataclass(frozen=True)
+class Batch:
+    ids: torch.Tensor  # [B, T]
+    positions: torch.Tensor  # [B, T]
+    write_slots: torch.Tensor  # [B, T]
+    read_slots: torch.Tensor  # [B, S]
+    mask: torch.Tensor  # [B, T, S]
+    lengths: torch.Tensor  # [B] valid rows per request
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        target: MLATarget,
+        drafter: DSparkDrafter | None,
+        blocks: BlockManager,
+        pool: PagedLatentPool,
+    ) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.blocks = blocks
+        self.pool = pool
+        self.taps = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
+
+    # ---- batch building ------------------------------------------------------------------------------
+    def _slot_map(self, req: Request, end: int) -> torch.Tensor:
+        """Flat slots of positions 0..end-1 for req, from its block table."""
+        page = self.pool.page_size
+        pages = torch.tensor(self.blocks.table(req.request_id).pages, dtype=torch.long)
+        pos = torch.arange(end)
+        return pages[pos // page] * page + pos % page
+
+    def build(self, reqs: Sequence[Request], starts: Sequence[int], tokens: Sequence[Sequence[int]]) -> Batch:
+        """Rows of new tokens at positions start..start+len-1 per request, causal over each request's prefix."""
+        B = len(reqs)
+        T = max(len(t) for t in tokens)
+        S = max(s + len(t) for s, t in zip(starts, tokens))
+        scratch = self.pool.scratch_slot
+        ids = torch.zeros(B, T, dtype=torch.long)
+        positions = torch.zeros(B, T, dtype=torch.long)
+        write = torch.full((B, T), scratch, dtype=torch.long)
+        read = torch.full((B, S), scratch, dtype=torch.long)
+        for i, (req, s, t) in enumerate(zip(reqs, starts, tokens)):
+            end = s + len(t)
+            slots = self._slot_map(req, end)
+            ids[i, : len(t)] = torch.tensor(list(t), dtype=torch.long)
+            positions[i, : len(t)] = torch.arange(s, end)
+            write[i, : len(t)] = slots[s:end]
+            read[i, :end] = slots
+        lengths = torch.tensor([len(t) for t in tokens], dtype=torch.long)
+        keys = torch.arange(S)
+        mask = keys[None, None, :] <= positions[:, :, None]
+        return Batch(ids, positions, write, read, mask, lengths)
+
+    # ---- forwards --------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def target_forward(
+        self, reqs: Sequence[Request], starts: Sequence[int], tokens: Sequence[Sequence[int]], last_only: bool
+    ) -> torch.Tensor:
+        """Run the target on new tokens, write its latents, inject drafter context; return fp32 logits
+        [B, 1, V] at each request's last new row (last_only) or [B, T, V] at every row."""
+        batch = self.build(reqs, starts, tokens)
+        store = self.pool.view(batch.write_slots, batch.read_slots)
+        rows = (batch.lengths - 1)[:, None] if last_only else None
+        out = self.target(batch.ids, batch.positions, batch.mask, store, self.taps, logits_rows=rows)
+        if self.drafter is not None and out.taps is not None:
+            draft_store = self.pool.view(batch.write_slots, batch.read_slots, self.target.num_layers)
+            self.drafter.inject_context(out.taps, batch.positions, draft_store)
+        assert out.logits is not None
+        return out.logits
+
+    @torch.inference_mode()
+    def propose_draft(
+        self,
+        reqs: Sequence[Request],
+        sampling: SamplingTensors,
+        probabilistic: bool,
+        use_markov: bool,
+        topk: int | None,
+    ) -> Proposal:
+        assert self.drafter is not None
+        K = sampling.counters.shape[1] - 1
+        anchors = torch.tensor([r.all_ids[r.num_computed] for r in reqs], dtype=torch.long)
+        starts = [r.num_computed for r in reqs]
+        blocks = [[0] * K for _ in reqs]
+        batch = self.build(reqs, starts, blocks)
+        store = self.pool.view(batch.write_slots, batch.read_slots, self.target.num_layers)
+        return draft_block(
+            self.drafter,
+            anchors,
+            torch.tensor(starts, dtype=torch.long),
+            batch.read_slots.shape[1],
+            store,
+            sampling,
+            probabilistic,
+            use_markov,
+            topk,
+        )
+
+    @staticmethod
+    def propose_ngram(reqs: Sequence[Request], k: int, min_n: int, max_n: int) -> Proposal:
+        return ngram_propose([r.all_ids[: r.num_computed + 1] for r in reqs], k, min_n, max_n)
+
+    @staticmethod
+    def sampling_tensors(reqs: Sequence[Request], num_slots: int, anchor_offset: int = 0) -> SamplingTensors:
+        """Sampling inputs; counters key every uniform by (seed, round anchor, slot, stream). A round anchored
+        at position P decides tokens from P+1 on (the first token after a prompt of n: anchor n-1)."""
+        anchor_pos = torch.tensor([r.num_computed + anchor_offset for r in reqs], dtype=torch.long)
+        return SamplingTensors(
+            temperature=torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32),
+            top_k=torch.tensor([r.params.top_k for r in reqs], dtype=torch.long),
+            top_p=torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32),
+            seeds=torch.tensor([r.seed for r in reqs], dtype=torch.long),
+            counters=round_counters(anchor_pos, num_slots),
+        )

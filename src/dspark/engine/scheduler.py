@@ -1,0 +1,108 @@
+"""Continuous-batching scheduler: decode first, then chunked prefill under a token budget; preempt-and-recompute
+when the page pool runs out. Pure Python (no torch)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from dspark.cache.allocator import BlockManager
+from dspark.engine.request import Request, Status
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    request: Request
+    start: int
+    end: int  # exclusive; target positions start..end-1 are computed this step
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    decodes: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class Scheduler:
+    """``lookahead`` = tokens a decode step may write past num_computed (K + 1 with speculation, 1 without)."""
+
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, lookahead: int) -> None:
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.budget = max_num_batched_tokens
+        self.lookahead = lookahead
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def release(self, req: Request) -> None:
+        """Forget a finished or aborted request and return its pages."""
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req.request_id in self.blocks:
+            self.blocks.release(req.request_id)
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        self.blocks.release(victim.request_id)
+        victim.num_computed = 0
+        victim.status = Status.WAITING
+        victim.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        out.preempted.append(victim)
+
+    def _reserve_decode(self, req: Request, out: SchedulerOutput) -> bool:
+        """Grow req's table to hold its decode lookahead, preempting the youngest requests if needed."""
+        need = req.num_computed + self.lookahead
+        while not self.blocks.ensure_capacity(req.request_id, need):
+            victim = max(self.running, key=lambda r: r.arrival)
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        return True
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.budget
+        for req in sorted(self.running, key=lambda r: r.arrival):
+            if req in self.running and not req.in_prefill and self._reserve_decode(req, out):
+                out.decodes.append(req)
+                budget -= self.lookahead
+        # prefill: running requests mid-prefill first, then admit waiting ones (FIFO)
+        candidates = [r for r in self.running if r.in_prefill] + list(self.waiting)
+        for req in candidates:
+            if budget <= 0:
+                break
+            if req.status is Status.WAITING and len(self.running) >= self.max_num_seqs:
+                break
+            start = req.num_computed
+            end = min(req.prefill_target, start + budget)
+            if not self.blocks.ensure_capacity(
+                req.request_id, end + (self.lookahead if end == req.prefill_target else 0)
+            ):
+                if not self.blocks.ensure_capacity(req.request_id, end):
+                    break  # wait for pages to free up
+            if req.status is Status.WAITING:
+                self.waiting.remove(req)
+                req.status = Status.RUNNING
+                self.running.append(req)
+            out.prefills.append(PrefillChunk(req, start, end))
+            budget -= end - start
+        if out.empty and self.running:
+            # every running request is stuck waiting for pages: recompute the youngest later
+            self._preempt(max(self.running, key=lambda r: r.arrival), out)
+            return self.schedule()
+        return out

@@ -1,0 +1,154 @@
+"""Public entry points: ``LLM(model=..., speculative_config=...).generate(prompts, SamplingParams)`` and
+``build_engine`` (used by the CLI, the server and the bench)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from dspark.config import CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
+from dspark.engine.engine import Engine, RequestOutput, load_adaptive
+from dspark.models.loading import load_drafter, load_target
+from dspark.sampling_params import SamplingParams
+from dspark.tokenizer import load_tokenizer
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+BUNDLED_TARGET = ASSETS / "k3-mini"
+BUNDLED_DRAFT = ASSETS / "k3-mini-dspark"
+BUNDLED_DFLASH = ASSETS / "k3-mini-dflash"
+
+
+def bundled_available() -> bool:
+    return (BUNDLED_TARGET / "config.json").exists() and (BUNDLED_DRAFT / "config.json").exists()
+
+
+def resolve_model(model: str | Path | None) -> Path:
+    if model is not None:
+        return Path(model)
+    if not (BUNDLED_TARGET / "config.json").exists():
+        raise ConfigError(
+            f"no --model given and the bundled model is missing at {BUNDLED_TARGET}; pass --model DIR "
+            "(a DeepSeek-V3-format directory)"
+        )
+    return BUNDLED_TARGET
+
+
+def resolve_draft(spec: SpeculativeConfig, target_dir: Path) -> Path | None:
+    if spec.method == "ngram":
+        return None
+    if spec.model:
+        return Path(spec.model)
+    if target_dir.resolve() == BUNDLED_TARGET.resolve():
+        if spec.method == "dflash" and (BUNDLED_DFLASH / "config.json").exists():
+            return BUNDLED_DFLASH
+        return BUNDLED_DRAFT
+    raise ConfigError(
+        f"speculative config: method '{spec.method}' needs 'model' (the draft directory) for target {target_dir}"
+    )
+
+
+def _parse_spec(spec: str | Mapping[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
+    if isinstance(spec, SpeculativeConfig) or spec is None:
+        return spec
+    return SpeculativeConfig.parse(spec)
+
+
+def build_engines(
+    model: str | Path | None,
+    speculative_configs: Sequence[str | Mapping[str, Any] | SpeculativeConfig | None],
+    dtype: str = "bfloat16",
+    max_num_seqs: int = 16,
+    max_model_len: int | None = None,
+    num_pages: int | None = None,
+    page_size: int = 16,
+    seed: int = 0,
+    max_num_batched_tokens: int = 2048,
+    max_waiting: int = 256,
+) -> list[Engine]:
+    """One engine per speculative config, all sharing one loaded target (and drafters per directory)."""
+    target_dir = resolve_model(model)
+    specs = [_parse_spec(s) for s in speculative_configs]
+    target = load_target(target_dir, dtype)
+    tok = load_tokenizer(target_dir, target.config.vocab_size, target.config.eos_token_ids)
+    drafters: dict[Path, Any] = {}
+    engines = []
+    for spec in specs:
+        draft_dir = resolve_draft(spec, target_dir) if spec is not None else None
+        drafter = None
+        if draft_dir is not None:
+            if draft_dir not in drafters:
+                drafters[draft_dir] = load_drafter(draft_dir, target, dtype)
+            drafter = drafters[draft_dir]
+        _check_pair(spec, drafter, draft_dir)
+        adaptive = load_adaptive(spec, draft_dir, target_dir) if spec and spec.enable_adaptive_verification else None
+        ecfg = EngineConfig(
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            dtype=dtype,
+            seed=seed,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_waiting=max_waiting,
+        )
+        cache = CacheConfig(page_size=page_size, num_pages=num_pages)
+        engine = Engine(target, drafter, spec, ecfg, cache, tok, adaptive)
+        engine.model_dir = target_dir  # type: ignore[attr-defined]
+        engine.draft_dir = draft_dir  # type: ignore[attr-defined]
+        engines.append(engine)
+    return engines
+
+
+def _check_pair(spec: SpeculativeConfig | None, drafter: Any, draft_dir: Path | None) -> None:
+    if spec is None or drafter is None:
+        return
+    if spec.method == "dspark" and drafter.markov_head is None:
+        raise ConfigError(f"speculative config: method 'dspark' but {draft_dir} has markov_rank 0; use 'dflash'")
+    block = drafter.config.block_size
+    if block is not None and spec.num_speculative_tokens > block:
+        raise ConfigError(
+            f"speculative config: num_speculative_tokens={spec.num_speculative_tokens} exceeds the drafter's "
+            f"trained block_size={block}; proposing beyond it collapses acceptance"
+        )
+
+
+def build_engine(
+    model: str | Path | None = None,
+    speculative_config: str | Mapping[str, Any] | SpeculativeConfig | None = None,
+    **kwargs: Any,
+) -> Engine:
+    return build_engines(model, [speculative_config], **kwargs)[0]
+
+
+class LLM:
+    """Offline batch generation, vLLM style."""
+
+    def __init__(self, model: str | Path | None = None, speculative_config=None, **kwargs: Any) -> None:
+        self.engine = build_engine(model, speculative_config, **kwargs)
+
+    @classmethod
+    def from_engine(cls, engine: Engine) -> LLM:
+        obj = cls.__new__(cls)
+        obj.engine = engine
+        return obj
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params or SamplingParams()
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        pending = list(zip(prompts, plist))
+        order: list[str] = []
+        final: dict[str, RequestOutput] = {}
+        limit = self.engine.cfg.max_waiting
+        while pending or self.engine.has_unfinished:
+            while pending and len(self.engine.scheduler.waiting) < limit:
+                prompt, sp = pending.pop(0)
+                order.append(self.engine.add_request(prompt, sp).request_id)
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in order]

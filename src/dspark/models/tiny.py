@@ -1,0 +1,134 @@
+"""Tiny random target + drafter pairs built from the real config classes (tests, demos, bench smoke runs)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from dspark.config import DraftConfig, RopeConfig, TargetConfig
+from dspark.models.drafter import DSparkDrafter
+from dspark.models.target import MLATarget
+
+
+def tiny_target_config(
+    vocab_size: int = 96,
+    hidden_size: int = 32,
+    num_layers: int = 4,
+    moe: bool = True,
+    q_lora_rank: int | None = 24,
+    yarn: bool = True,
+) -> TargetConfig:
+    rope = RopeConfig(
+        dim=8,
+        theta=10000.0,
+        rope_type="yarn" if yarn else "default",
+        factor=4.0 if yarn else 1.0,
+        original_max_position_embeddings=64 if yarn else None,
+        mscale_all_dim=1.0 if yarn else 0.0,
+    )
+    return TargetConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=64,
+        num_hidden_layers=num_layers,
+        num_attention_heads=2,
+        kv_lora_rank=16,
+        q_lora_rank=q_lora_rank,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        max_position_embeddings=512,
+        rope=rope,
+        moe_intermediate_size=16 if moe else 0,
+        n_routed_experts=4 if moe else None,
+        n_shared_experts=1 if moe else None,
+        num_experts_per_tok=2 if moe else None,
+        first_k_dense_replace=1,
+        n_group=2 if moe else 1,
+        topk_group=1,
+        routed_scaling_factor=1.5,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+    )
+
+
+def tiny_draft_config(
+    target: TargetConfig,
+    num_layers: int = 2,
+    markov_rank: int = 8,
+    head_type: str = "vanilla",
+    taps: tuple[int, ...] | None = None,
+    confidence: bool = True,
+) -> DraftConfig:
+    taps = taps or tuple(sorted({0, max(target.num_hidden_layers - 2, 0)}))
+    return DraftConfig(
+        architecture="K3DSparkModel",
+        hidden_size=target.hidden_size,
+        intermediate_size=48,
+        num_hidden_layers=num_layers,
+        num_attention_heads=2,
+        vocab_size=target.vocab_size,
+        target_layer_ids=taps,
+        target_hidden_size=target.hidden_size,
+        target_num_hidden_layers=target.num_hidden_layers,
+        mask_token_id=3,
+        rope=replace(target.rope),
+        max_position_embeddings=target.max_position_embeddings,
+        q_lora_rank=16,
+        kv_lora_rank=target.kv_lora_rank,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=target.qk_rope_head_dim,
+        v_head_dim=8,
+        markov_rank=markov_rank,
+        markov_head_type=head_type,
+        enable_confidence_head=confidence,
+        confidence_head_with_markov=True,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        torch_dtype="float32",
+    )
+
+
+def randomize_(module: torch.nn.Module, seed: int, std: float = 0.15) -> None:
+    """Deterministic random weights (norm weights near 1) so tiny models have peaked, varied outputs."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=g))
+        for name, b in module.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.copy_(0.05 * torch.randn(b.shape, generator=g))
+
+
+def build_tiny_pair(
+    seed: int = 0, target_cfg: TargetConfig | None = None, draft_cfg: DraftConfig | None = None
+) -> tuple[MLATarget, DSparkDrafter]:
+    tcfg = target_cfg or tiny_target_config()
+    dcfg = draft_cfg or tiny_draft_config(tcfg)
+    target = MLATarget(tcfg)
+    randomize_(target, seed)
+    # a sharper lm_head gives the tiny target low-entropy, drafter-friendly distributions
+    with torch.no_grad():
+        target.lm_head.weight.mul_(4.0)
+    drafter = DSparkDrafter(dcfg)
+    randomize_(drafter, seed + 1)
+    drafter.attach(target.embed_tokens, target.lm_head)
+    return target.eval(), drafter.eval()
+
+
+def write_tiny_pair(directory: str | Path, seed: int = 0, **kw) -> tuple[Path, Path]:
+    """Save a tiny random pair as HF-style directories ``<dir>/target`` and ``<dir>/draft``."""
+    from dspark.models.loading import save_drafter, save_target
+
+    directory = Path(directory)
+    target, drafter = build_tiny_pair(seed, **kw)
+    save_target(target, directory / "target")
+    save_drafter(drafter, directory / "draft", dtype="float32")
+    return directory / "target", directory / "draft"

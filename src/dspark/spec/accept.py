@@ -1,0 +1,39 @@
+"""Glue between a proposal, the target's verify logits and the acceptance rule (greedy / standard / block)."""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.spec.propose import Proposal, SamplingTensors
+from dspark.spec.rng import Stream, uniforms
+from dspark.spec.sampling import process_logits, sample_inverse_cdf
+from dspark.spec.verify import VerifyResult, verify_block, verify_standard
+
+
+def accept(
+    proposal: Proposal,
+    lengths: torch.Tensor,
+    target_logits: torch.Tensor,
+    sampling: SamplingTensors,
+    rule: str,
+) -> VerifyResult:
+    """target_logits [B, K+1, V] over [anchor, d_1..d_K] (rows past each length are ignored); lengths [B].
+
+    The target distribution p is the request's processed distribution (temperature/top-k/top-p; one-hot at
+    temperature 0, where every rule reduces to exact greedy matching). Uniforms come from separate streams.
+    """
+    B, K1, _ = target_logits.shape
+    K = K1 - 1
+    p = process_logits(target_logits, sampling.temperature, sampling.top_k, sampling.top_p)
+    u_accept = uniforms(sampling.seeds, sampling.counters[:, : K + 1], Stream.ACCEPT)
+    u_residual = uniforms(sampling.seeds, sampling.counters[:, :1], Stream.RESIDUAL)[:, 0]
+    q = proposal.q[:, :K] if proposal.q is not None else None
+    verify = verify_block if rule == "block" else verify_standard
+    return verify(proposal.tokens[:, :K], lengths, p, q, u_accept, u_residual)
+
+
+def sample_next(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
+    """Plain (non-speculative) sampling: logits [B, V] → tokens [B] on the residual stream."""
+    p = process_logits(logits[:, None], sampling.temperature, sampling.top_k, sampling.top_p)[:, 0]
+    u = uniforms(sampling.seeds, sampling.counters[:, :1], Stream.RESIDUAL)[:, 0]
+    return sample_inverse_cdf(p, u)

@@ -1,0 +1,121 @@
+"""dspark.train.pretrain on a tiny MoE model and a synthetic token array: learning, exact resume, export."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from transformers import DeepseekV3ForCausalLM
+
+from dspark.config import TargetConfig
+from dspark.models.loading import load_target
+from dspark.train.pretrain import (
+    PretrainConfig,
+    TokenWindows,
+    checkpoint_path,
+    default_target_config,
+    lr_at,
+    tiny_pretrain_config,
+    train_target,
+)
+
+VOCAB = 48
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    """A learnable stream: shifted copies of one random 40-token motif, EOS (1) after each copy."""
+    d = tmp_path_factory.mktemp("data")
+    rng = np.random.default_rng(0)
+    motif = rng.integers(6, VOCAB, size=40)
+    rows = [np.append(np.roll(motif, k), 1) for k in range(120)]
+    tokens = np.concatenate(rows).astype(np.uint16)
+    np.save(d / "train.npy", tokens)
+    np.save(d / "validation.npy", tokens[: 41 * 12])
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|bos|>"}))
+    return d
+
+
+def tiny(data_dir, out_dir, **kw) -> PretrainConfig:
+    base = dict(vocab_size=VOCAB, max_steps=12, warmup_steps=3, eval_interval=6, ckpt_interval=4, progress=False)
+    return tiny_pretrain_config(str(data_dir), str(out_dir), **(base | kw))
+
+
+def test_default_config_keeps_k3_latent_geometry():
+    cfg = default_target_config(8192, original_max_position_embeddings=512)
+    assert cfg.mla.latent_dim == 576 and cfg.kv_lora_rank == 512 and cfg.qk_rope_head_dim == 64
+    assert (cfg.qk_nope_head_dim, cfg.v_head_dim) == (128, 128)
+    assert cfg.max_position_embeddings == 2048 and cfg.rope.is_yarn and cfg.rope.factor == 4.0
+    assert cfg.is_moe and not cfg.is_moe_layer(0) and cfg.is_moe_layer(1) and cfg.n_shared_experts == 1
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (0, 1, 2) and not cfg.tie_word_embeddings
+    # the HF dict round-trips through our loader
+    assert TargetConfig.from_dict(cfg.to_hf_dict()) == cfg
+
+
+def test_schedule_warmup_then_cosine():
+    cfg = PretrainConfig(lr=1.0, warmup_steps=10, max_steps=110, min_lr_ratio=0.1)
+    lrs = [lr_at(s, cfg, 110) for s in range(110)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a <= b for a, b in zip(lrs[:10], lrs[1:10]))
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    assert lrs[60] == pytest.approx(0.1 + 0.9 * 0.5) and lr_at(110, cfg, 110) == pytest.approx(0.1)
+
+
+def test_windows_resume_from_state():
+    tokens = np.arange(1000, dtype=np.uint16)
+    a = TokenWindows(tokens, 16, 3, seed=5)
+    a.next_batch()
+    state = a.state_dict()
+    expected = a.next_batch()
+    b = TokenWindows(tokens, 16, 3, seed=99)
+    b.load_state_dict(state)
+    torch.testing.assert_close(b.next_batch(), expected, rtol=0, atol=0)
+    assert expected.shape == (3, 17) and torch.equal(expected[:, 1:] - expected[:, :-1], torch.ones(3, 16).long())
+
+
+def test_loss_decreases_and_export_matches_transformers(data_dir, tmp_path):
+    torch.manual_seed(0)
+    result = train_target(tiny(data_dir, tmp_path / "run", max_steps=30, ckpt_interval=10, eval_interval=15))
+    assert result.stopped_by == "max_steps" and result.steps == 30 and result.tokens == 30 * 4 * 32
+    first, last = np.mean(result.losses[:3]), np.mean(result.losses[-3:])
+    assert first > math.log(VOCAB) - 0.5 and last < first - 1.0
+    assert result.val_ppl is not None and result.val_ppl < math.exp(first)
+
+    export = tmp_path / "run" / "export"
+    log = json.loads((export / "training_log.json").read_text())
+    assert log["steps"] == 30 and log["tokens"] == result.tokens and log["val"][-1]["step"] == 30
+    assert (export / "tokenizer_config.json").is_file()
+
+    ours = load_target(export, "float32")
+    hf = DeepseekV3ForCausalLM.from_pretrained(export, dtype=torch.float32, attn_implementation="eager").eval()
+    ids = torch.randint(6, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits.float()
+        torch.testing.assert_close(ours(ids, absorbed=False).logits, ref, rtol=0, atol=1e-4)
+        torch.testing.assert_close(ours(ids, absorbed=True).logits, ref, rtol=0, atol=1e-4)
+
+
+def test_resume_is_bit_identical(data_dir, tmp_path):
+    full = train_target(tiny(data_dir, tmp_path / "full"))
+    halted = train_target(tiny(data_dir, tmp_path / "split", halt_at_step=5))
+    assert halted.stopped_by == "halt" and halted.steps == 5 and halted.export_dir is None
+    with pytest.raises(FileExistsError, match="--resume"):
+        train_target(tiny(data_dir, tmp_path / "split"))
+    resumed = train_target(tiny(data_dir, tmp_path / "split"), resume=True)
+    assert resumed.steps == full.steps == 12
+    assert halted.losses + resumed.losses == full.losses
+
+    a = torch.load(checkpoint_path(tmp_path / "full"), weights_only=True)
+    b = torch.load(checkpoint_path(tmp_path / "split"), weights_only=True)
+    assert a["model"].keys() == b["model"].keys()
+    for name, t in a["model"].items():
+        assert torch.equal(t, b["model"][name]), name
+    assert any("e_score_correction_bias" in k and t.abs().sum() > 0 for k, t in a["model"].items())
+    assert a["loader"] == b["loader"] and a["run"]["train_loss"] == b["run"]["train_loss"]
+
+
+def test_resume_refuses_a_different_shape(data_dir, tmp_path):
+    train_target(tiny(data_dir, tmp_path / "r", halt_at_step=2))
+    with pytest.raises(ValueError, match="hidden_size"):
+        train_target(tiny(data_dir, tmp_path / "r", hidden_size=32), resume=True)
