@@ -283,10 +283,8 @@ def cmd_verify_lossless(args: argparse.Namespace) -> int:
                 (k for k, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
                 min(len(a.token_ids), len(b.token_ids)),
             )
-            print(
-                a_ids, b_ids = a.token_ids[j : j + 5], b.token_ids[j : j + 5]
-                print(f"prompt {i}: MISMATCH at output token {j}: target-only {a_ids} vs speculative {b_ids}")
-            )
+            a_ids, b_ids = a.token_ids[j : j + 5], b.token_ids[j : j + 5]
+            print(f"prompt {i}: MISMATCH at output token {j}: target-only {a_ids} vs speculative {b_ids}")
         else:
             print(f"prompt {i}: identical ({len(a.token_ids)} tokens)")
     tau = spec_engine.metrics.spec.acceptance_length
