@@ -8,10 +8,13 @@ import pytest
 import torch
 from transformers import DeepseekV3ForCausalLM
 
+from dspark.cli import main
 from dspark.config import TargetConfig
 from dspark.models.loading import load_target
+from dspark.models.target import MLATarget
 from dspark.train.pretrain import (
     PretrainConfig,
+    RouterLoad,
     TokenWindows,
     checkpoint_path,
     default_target_config,
@@ -34,6 +37,7 @@ def data_dir(tmp_path_factory):
     np.save(d / "train.npy", tokens)
     np.save(d / "validation.npy", tokens[: 41 * 12])
     (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|bos|>"}))
+    (d / "data_manifest.json").write_text(json.dumps({"vocab_size": VOCAB}))
     return d
 
 
@@ -119,3 +123,36 @@ def test_resume_refuses_a_different_shape(data_dir, tmp_path):
     train_target(tiny(data_dir, tmp_path / "r", halt_at_step=2))
     with pytest.raises(ValueError, match="hidden_size"):
         train_target(tiny(data_dir, tmp_path / "r", hidden_size=32), resume=True)
+
+
+def test_router_bias_nudges_toward_balance():
+    torch.manual_seed(0)
+    cfg = tiny_pretrain_config("unused", "unused", vocab_size=VOCAB)
+    model = MLATarget(cfg.target_config(VOCAB))
+    load = RouterLoad(model)
+    ids = torch.randint(6, VOCAB, (2, 16))
+    model(ids, absorbed=False)  # not recording: counts stay zero
+    assert all(int(c.sum()) == 0 for c in load.counts)
+    with load.recording():
+        model(ids, absorbed=False)
+    k = cfg.num_experts_per_tok
+    assert all(int(c.sum()) == 2 * 16 * k for c in load.counts)
+    counts = [c.clone().double() for c in load.counts]
+    load.nudge(0.01)
+    for gate, c in zip(load.gates, counts):
+        expected = 0.01 * torch.sign(c.mean() - c)
+        torch.testing.assert_close(gate.e_score_correction_bias.double(), expected)
+    assert all(int(c.sum()) == 0 for c in load.counts)
+
+
+def test_cli_tiny_run(data_dir, tmp_path, capsys):
+    out = tmp_path / "cli"
+    rc = main(
+        ["train-target", "--data-dir", str(data_dir), "--out-dir", str(out), "--tiny"]
+        + ["--max-steps", "6", "--quiet", "--json"]
+    )
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["steps"] == 6 and result["stopped_by"] == "max_steps"
+    assert (out / "export" / "model.safetensors").is_file() and checkpoint_path(out).is_file()
+    assert main(["train-target", "--data-dir", str(data_dir), "--out-dir", str(out), "--tiny"]) == 1

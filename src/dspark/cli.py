@@ -84,9 +84,9 @@ def cmd_train_target(args: argparse.Namespace) -> int:
 
     from dspark.train.pretrain import PretrainConfig, tiny_pretrain_config, train_target
 
-    cfg = (
-        tiny_pretrain_config(args.data_dir, args.out_dir) if args.tiny else PretrainConfig(args.data_dir, args.out_dir)
-    )
+    default = PretrainConfig()
+    data_dir, out_dir = args.data_dir or default.data_dir, args.out_dir or default.out_dir
+    cfg = tiny_pretrain_config(data_dir, out_dir) if args.tiny else replace(default, data_dir=data_dir, out_dir=out_dir)
     overrides = {
         k: getattr(args, k)
         for k in ("max_minutes", "max_steps", "seq_len", "batch_size", "lr", "warmup_steps", "seed")
@@ -98,39 +98,42 @@ def cmd_train_target(args: argparse.Namespace) -> int:
     if args.tiny and "max_minutes" in overrides and "max_steps" not in overrides:
         overrides["max_steps"] = None
     cfg = replace(cfg, **overrides, progress=not args.quiet)
-    result = train_target(cfg, resume=args.resume)
+    try:
+        result = train_target(cfg, resume=args.resume)
+    except FileExistsError as e:
+        print(f"dspark train-target: error: {e}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps({k: v for k, v in vars(result).items() if k != "losses"}))
     return 0
 
 
 def add_train_target(sub: argparse._SubParsersAction) -> None:
-    from dspark.train.pretrain import PretrainConfig
-
-    d = PretrainConfig()
+    # defaults live in dspark.train.pretrain.PretrainConfig (not imported here: it pulls in torch)
     p = sub.add_parser(
         "train-target",
         help="pretrain the small K3-style MLA target (DeepSeek-V3 format) on the tokenized corpus",
         description="Checkpoints to OUT_DIR/checkpoint/last.pt; exports OUT_DIR/export "
-        "(config.json, model.safetensors, tokenizer, training_log.json).",
+        "(config.json, model.safetensors, tokenizer, training_log.json). Unset options take the "
+        "defaults of dspark.train.pretrain.PretrainConfig (or tiny_pretrain_config with --tiny).",
     )
-    p.add_argument("--data-dir", default=d.data_dir, help="dir with train/validation .npy and tokenizer.json")
-    p.add_argument("--out-dir", default=d.out_dir, help="checkpoint and export directory")
-    p.add_argument("--max-minutes", type=float, default=None, help=f"wall-clock budget (default {d.max_minutes})")
+    p.add_argument("--data-dir", help="train/validation .npy + tokenizer.json (default runs/data/bpe8k)")
+    p.add_argument("--out-dir", help="checkpoint and export directory (default runs/target)")
+    p.add_argument("--max-minutes", type=float, help="wall-clock budget across resumes (default 55)")
     p.add_argument("--no-time-limit", action="store_true", help="no wall-clock budget (needs --max-steps)")
-    p.add_argument("--max-steps", type=int, default=None, help="cosine horizon (default: derived from --max-minutes)")
-    p.add_argument("--seq-len", type=int, default=None, help=f"training window (default {d.seq_len})")
-    p.add_argument("--batch-size", type=int, default=None, help=f"sequences per step (default {d.batch_size})")
-    p.add_argument("--lr", type=float, default=None, help=f"peak learning rate (default {d.lr})")
-    p.add_argument("--warmup-steps", type=int, default=None, help=f"default {d.warmup_steps}")
-    p.add_argument("--eval-interval", type=int, default=None, help=f"default {d.eval_interval}")
-    p.add_argument("--ckpt-interval", type=int, default=None, help=f"default {d.ckpt_interval}")
-    p.add_argument("--seed", type=int, default=None, help=f"default {d.seed}")
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default min(2, cpus))")
+    p.add_argument("--max-steps", type=int, help="cosine horizon (default: derived from --max-minutes)")
+    p.add_argument("--seq-len", type=int, help="training window in tokens (default 512)")
+    p.add_argument("--batch-size", type=int, help="sequences per step (default 4)")
+    p.add_argument("--lr", type=float, help="peak learning rate (default 2e-3)")
+    p.add_argument("--warmup-steps", type=int, help="linear warmup steps (default 100)")
+    p.add_argument("--eval-interval", type=int, help="steps between validation passes (default 250)")
+    p.add_argument("--ckpt-interval", type=int, help="steps between checkpoints (default 250)")
+    p.add_argument("--seed", type=int, help="init and data-order seed (default 0)")
+    p.add_argument("--num-threads", type=int, help="torch threads (default min(2, cpus))")
     p.add_argument("--resume", action="store_true", help="continue exactly from OUT_DIR/checkpoint/last.pt")
     p.add_argument("--tiny", action="store_true", help="a seconds-long smoke run with a tiny model")
     p.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
-    p.add_argument("--json", action="store_true", help="print the TrainResult as JSON at the end")
+    p.add_argument("--json", action="store_true", help="print the TrainResult (without losses) as JSON")
     p.set_defaults(func=cmd_train_target)
 
 
@@ -305,27 +308,36 @@ def add_verify_lossless(sub: argparse._SubParsersAction) -> None:
 
 # ---- registry -------------------------------------------------------------------------------------------
 
-PLANNED = (
-    "generate",
-    "serve",
-    "bench",
-    "verify-lossless",
-    "check",
-    "train-target",
-    "train-draft",
-    "calibrate",
-    "profile",
-)
+PLANNED = ("serve", "bench", "train-draft", "calibrate", "profile")
+# subcommands defined next to their library code: module with ``add_parser(sub)``
+MODULES = {
+    "serve": "dspark.serve.cli",
+    "bench": "dspark.bench.cli",
+    "train-draft": "dspark.train.draft_cli",
+    "calibrate": "dspark.train.calibrate",
+    "profile": "dspark.bench.profile",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import importlib
+
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding for MLA models")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_roster(sub)
     add_generate(sub)
     add_verify_lossless(sub)
-    add_train_target(sub)
     add_check(sub)
+    add_roster(sub)
+    add_train_target(sub)
+    for name, module in MODULES.items():
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            continue
+        if hasattr(mod, "add_parser"):
+            mod.add_parser(sub)
     registered = set(sub.choices)
     for name in PLANNED:
         if name not in registered:

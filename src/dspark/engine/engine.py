@@ -21,6 +21,7 @@ from dspark.engine.request import Request, Status
 from dspark.engine.runner import ModelRunner
 from dspark.engine.scheduler import PrefillChunk, Scheduler
 from dspark.models.drafter import DSparkDrafter
+from dspark.models.hf_target import HFTarget
 from dspark.models.target import MLATarget
 from dspark.sampling_params import SamplingParams
 from dspark.spec.accept import accept, sample_next
@@ -58,20 +59,24 @@ class AdaptivePolicy:
     min_len: int
 
     def lengths(self, conf_logits: torch.Tensor, caps: list[int]) -> list[int]:
+        """Drafts to verify per request from conf_logits [B, K] (raw confidence logits), each <= its cap."""
         z = conf_logits.float()
         if self.temperatures is not None:
-            t = torch.tensor(self.temperatures[: z.shape[1]], dtype=torch.float32)
-            z = z / t
+            if len(self.temperatures) < z.shape[1]:
+                raise ValueError(
+                    f"{len(self.temperatures)} STS temperatures for {z.shape[1]} draft positions; rerun "
+                    "`dspark calibrate` with this num_speculative_tokens"
+                )
+            z = z / torch.tensor(self.temperatures[: z.shape[1]], dtype=torch.float32)
         conf = torch.sigmoid(z).tolist()
         rows = [c[:cap] for c, cap in zip(conf, caps)]
-        sched = choose_verify_lengths(rows, self.sps, min_len=self.min_len)
-        return sched.lengths
+        return choose_verify_lengths(rows, self.sps, min_len=self.min_len).lengths
 
 
 class Engine:
     def __init__(
         self,
-        target: MLATarget,
+        target: MLATarget | HFTarget,
         drafter: DSparkDrafter | None = None,
         speculative_config: SpeculativeConfig | None = None,
         engine_config: EngineConfig | None = None,
@@ -92,8 +97,9 @@ class Engine:
         self.K = self.spec.num_speculative_tokens if self.spec else 0
         ccfg = cache_config or CacheConfig()
         num_pages = ccfg.num_pages or math.ceil(self.cfg.max_num_seqs * min(self.max_model_len, 4096) / ccfg.page_size)
-        n_layers = target.num_layers + (len(self.drafter.layers) if self.drafter is not None else 0)
-        width = target.latent_dim
+        paged_target = getattr(target, "paged", True)
+        n_layers = (target.num_layers if paged_target else 0) + (len(self.drafter.layers) if self.drafter else 0)
+        width = target.latent_dim if paged_target else (self.drafter.latent_dim if self.drafter else 1)
         if self.drafter is not None and self.drafter.latent_dim != width:
             raise ConfigError(
                 f"drafter latent width {self.drafter.latent_dim} != target latent width {width}: the unified "
@@ -319,14 +325,26 @@ class Engine:
         return outs
 
 
+def _adaptive_file(key: str, given: str | None, name: str, dirs: Sequence[Path | None]) -> Path | None:
+    """The file at the config path `key` (must exist when given), else `name` in the first dir holding it."""
+    if given:
+        if not Path(given).is_file():
+            raise ConfigError(
+                f"speculative config: key '{key}' = {given!r}: file not found; fix the path or drop the key"
+            )
+        return Path(given)
+    return next((d / name for d in dirs if d is not None and (d / name).is_file()), None)
+
+
 def load_adaptive(spec: SpeculativeConfig, draft_dir: Path | None, target_dir: Path | None) -> AdaptivePolicy:
-    """STS temperatures + SPS cost table from the paths in the config, or files next to the draft/target."""
-    candidates = [Path(spec.calibration_path)] if spec.calibration_path else []
-    candidates += [d / "sts_calibration.json" for d in (draft_dir, target_dir) if d is not None]
-    sts = next((p for p in candidates if p.exists()), None)
-    costs = [Path(spec.cost_table_path)] if spec.cost_table_path else []
-    costs += [d / "sps_profile.json" for d in (target_dir, draft_dir) if d is not None]
-    cost = next((p for p in costs if p.exists()), None)
+    """STS temperatures + SPS cost table for `enable_adaptive_verification`.
+
+    Temperatures: `calibration_path`, else `sts_calibration.json` next to the draft, then the target. Cost table:
+    `cost_table_path`, else `sps_profile.json` next to the target, then the draft. A missing file falls back to
+    raw confidences / the default cost model with one warning.
+    """
+    sts = _adaptive_file("calibration_path", spec.calibration_path, "sts_calibration.json", (draft_dir, target_dir))
+    cost = _adaptive_file("cost_table_path", spec.cost_table_path, "sps_profile.json", (target_dir, draft_dir))
     if sts is None or cost is None:
         warnings.warn(
             "adaptive verification: "
@@ -334,8 +352,14 @@ def load_adaptive(spec: SpeculativeConfig, draft_dir: Path | None, target_dir: P
             + ("no cost table (run `dspark profile`); using the default cost model." if cost is None else ""),
             stacklevel=2,
         )
+    temperatures = load_sts(sts) if sts is not None else None
+    if temperatures is not None and len(temperatures) < spec.num_speculative_tokens:
+        raise ConfigError(
+            f"{sts}: {len(temperatures)} STS temperatures but num_speculative_tokens = "
+            f"{spec.num_speculative_tokens}; rerun `dspark calibrate` with this speculative config"
+        )
     return AdaptivePolicy(
-        temperatures=load_sts(sts) if sts is not None else None,
+        temperatures=temperatures,
         sps=SpsTable.load(cost) if cost is not None else default_cost_model(),
         min_len=spec.min_verify_len,
     )

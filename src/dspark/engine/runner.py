@@ -14,6 +14,7 @@ from dspark.cache.allocator import BlockManager
 from dspark.cache.latent import PagedLatentPool
 from dspark.engine.request import Request
 from dspark.models.drafter import DSparkDrafter
+from dspark.models.hf_target import HFTarget
 from dspark.models.target import MLATarget
 from dspark.spec.propose import Proposal, SamplingTensors, draft_block, ngram_propose
 from dspark.spec.rng import round_counters
@@ -32,7 +33,7 @@ class Batch:
 class ModelRunner:
     def __init__(
         self,
-        target: MLATarget,
+        target: MLATarget | HFTarget,
         drafter: DSparkDrafter | None,
         blocks: BlockManager,
         pool: PagedLatentPool,
@@ -42,6 +43,8 @@ class ModelRunner:
         self.blocks = blocks
         self.pool = pool
         self.taps = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
+        # drafter layers follow the target's MLA layers in the pool (HF targets keep no pages there)
+        self.draft_layer_offset = target.num_layers if getattr(target, "paged", True) else 0
 
     # ---- batch building ------------------------------------------------------------------------------
     def _slot_map(self, req: Request, end: int) -> torch.Tensor:
@@ -81,14 +84,19 @@ class ModelRunner:
         """Run the target on new tokens, write its latents, inject drafter context; return fp32 logits
         [B, 1, V] at each request's last new row (last_only) or [B, T, V] at every row."""
         batch = self.build(reqs, starts, tokens)
-        store = self.pool.view(batch.write_slots, batch.read_slots)
-        rows = (batch.lengths - 1)[:, None] if last_only else None
-        out = self.target(batch.ids, batch.positions, batch.mask, store, self.taps, logits_rows=rows)
-        if self.drafter is not None and out.taps is not None:
-            draft_store = self.pool.view(batch.write_slots, batch.read_slots, self.target.num_layers)
-            self.drafter.inject_context(out.taps, batch.positions, draft_store)
-        assert out.logits is not None
-        return out.logits
+        if not getattr(self.target, "paged", True):  # HF target: recompute the committed prefix, no pages
+            seqs = [list(r.all_ids[:s]) + list(t) for r, s, t in zip(reqs, starts, tokens)]
+            logits, taps = self.target.forward_rows(seqs, starts, self.taps, last_only)
+        else:
+            store = self.pool.view(batch.write_slots, batch.read_slots)
+            rows = (batch.lengths - 1)[:, None] if last_only else None
+            out = self.target(batch.ids, batch.positions, batch.mask, store, self.taps, logits_rows=rows)
+            logits, taps = out.logits, out.taps
+        if self.drafter is not None and taps is not None:
+            draft_store = self.pool.view(batch.write_slots, batch.read_slots, self.draft_layer_offset)
+            self.drafter.inject_context(taps, batch.positions, draft_store)
+        assert logits is not None
+        return logits
 
     @torch.inference_mode()
     def propose_draft(
@@ -105,7 +113,7 @@ class ModelRunner:
         starts = [r.num_computed for r in reqs]
         blocks = [[0] * K for _ in reqs]
         batch = self.build(reqs, starts, blocks)
-        store = self.pool.view(batch.write_slots, batch.read_slots, self.target.num_layers)
+        store = self.pool.view(batch.write_slots, batch.read_slots, self.draft_layer_offset)
         return draft_block(
             self.drafter,
             anchors,

@@ -1,0 +1,125 @@
+"""``dspark bench``: interleaved speed + acceptance benchmark of our engine's methods and peer baselines."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from dspark.config import ConfigError
+
+METHODS_HELP = "ar,dspark,dflash,ngram,hf-generate,hf-prompt-lookup,dspark-adaptive,vllm,vllm-ngram"
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from e
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+
+
+def _names(text: str) -> tuple[str, ...] | None:
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    return None if names in ((), ("all",)) else names
+
+
+def _write_json(path: Path, data: dict) -> None:
+    """Write atomically: a half-written report never replaces a good one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from dspark.bench.datasets import HELDOUT
+    from dspark.bench.speed import BenchConfig, markdown_table, run_bench
+
+    cfg = BenchConfig(
+        dataset=args.dataset or str(HELDOUT),
+        model=args.model,
+        draft=args.draft,
+        dflash_draft=args.dflash_draft,
+        num_prompts=args.num_prompts,
+        max_tokens=args.max_tokens,
+        temperatures=args.temperature,
+        concurrency=args.concurrency,
+        methods=args.baselines,
+        num_speculative_tokens=args.num_speculative_tokens,
+        context_depths=args.context_depths,
+        context_prompts=args.context_prompts,
+        context_source=args.context_source,
+        dtype=args.dtype,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        warmup=not args.no_warmup,
+        vllm_python=args.vllm_python,
+        progress=not args.quiet,
+    )
+    report = run_bench(cfg)
+    print(markdown_table(report.results))
+    for note in report.notes:
+        print(f"note: {note}", file=sys.stderr)
+    data = report.to_json()
+    if args.output:
+        _write_json(Path(args.output), data)
+        print(f"wrote {args.output}", file=sys.stderr)
+    if args.plot:
+        from dspark.bench.plots import plot_report
+
+        plot_report(data, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="speed-up and acceptance of dspark vs ar/dflash/ngram/transformers/vLLM, interleaved in one process",
+        description="All methods run in this process on one loaded target, round-robin over batches of prompts, so "
+        "ratios hold on a noisy machine. τ, per-position acceptance and verify rate come from the engine's "
+        "counters. Prints a markdown table; --output writes JSON, --plot a PNG.",
+    )
+    p.add_argument("--dataset", default=None, help="JSONL prompts (default: the bundled held-out stdlib prompts)")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=_floats, default=(0.0,), help="one or more, e.g. 0,1")
+    p.add_argument(
+        "--baselines", type=_names, default=None, help=f"methods to run (default: all applicable) from {METHODS_HELP}"
+    )
+    p.add_argument("--concurrency", type=_ints, default=(1,), help="concurrent requests per batch, e.g. 1,4,16")
+    p.add_argument("--output", default=None, help="write the results JSON here")
+    p.add_argument("--plot", default=None, help="write a PNG (acceptance, tokens/s, τ vs depth)")
+    p.add_argument("--model", default=None, help="target dir (default: the bundled k3-mini)")
+    p.add_argument("--draft", default=None, help="DSpark drafter dir (default: the bundled k3-mini-dspark)")
+    p.add_argument(
+        "--dflash-draft", default=None, help="markov_rank-0 drafter for 'dflash' (default: bundled, else head off)"
+    )
+    p.add_argument("--num-speculative-tokens", type=int, default=None, help="K (default 7, capped by block_size)")
+    p.add_argument(
+        "--context-depths",
+        type=_ints,
+        default=(),
+        help="pad prompts with real code to N tokens, e.g. 1024,4096,16384 (τ vs depth; our engine's methods only)",
+    )
+    p.add_argument("--context-prompts", type=int, default=4, help="prompts per context depth")
+    p.add_argument("--context-source", default=None, help="corpus-format JSONL of code used as padding")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens per prompt")
+    p.add_argument("--no-warmup", action="store_true", help="skip the one short warm-up call per method")
+    p.add_argument("--vllm-python", default=None, help="python of an environment with vLLM: adds vllm, vllm-ngram")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_bench)
+
+
+__all__ = ["add_parser", "cmd_bench", "ConfigError"]

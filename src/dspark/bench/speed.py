@@ -1,0 +1,480 @@
+"""Interleaved speed + acceptance benchmark: every method runs in the same process, batch by batch, round-robin.
+
+For each cell (dataset, temperature, concurrency) the prompts are cut into batches of ``concurrency``; batch b is
+run by every method in turn, the starting method rotated by b, so slow drifts of a shared machine hit all methods
+alike. Each measurement records its wall time and the deltas of the engine's counters (generated tokens and the
+speculative-decoding counters); rows sum them. Speed-up = tokens/s of the method / tokens/s of ``ar`` in the same
+cell.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+from dspark.bench.acceptance import SpecCounters, sum_counters
+from dspark.config import ConfigError, DraftConfig, SpeculativeConfig, TargetConfig
+from dspark.sampling_params import SamplingParams
+
+AR = "ar"
+ENGINE_METHODS = ("ar", "dspark", "dflash", "ngram", "dspark-adaptive")
+HF_METHODS = ("hf-generate", "hf-prompt-lookup")
+VLLM_METHODS = ("vllm", "vllm-ngram")
+ALL_METHODS = ENGINE_METHODS + HF_METHODS + VLLM_METHODS
+RESULT_KEYS = (
+    "name",
+    "dataset",
+    "temperature",
+    "concurrency",
+    "num_prompts",
+    "output_tokens",
+    "wall_s",
+    "tokens_per_s",
+    "speedup_vs_ar",
+    "acceptance_length",
+    "per_position_acceptance",
+    "verify_rate",
+)
+
+
+# ---- measurements and methods ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Measurement:
+    output_tokens: int
+    wall_s: float
+    counters: SpecCounters | None  # None: the method has no speculative counters (AR baselines outside our engine)
+
+
+class Method(Protocol):
+    name: str
+    engine_backed: bool  # runs on our engine (eligible for context-depth cells)
+
+    def skip_reason(self, concurrency: int, temperature: float) -> str | None: ...
+    def run(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Measurement: ...
+    def close(self) -> None: ...
+
+
+class EngineMethod:
+    """One of our engines; output tokens and counters are read from ``engine.metrics`` before and after."""
+
+    engine_backed = True
+
+    def __init__(self, name: str, engine: Any) -> None:
+        self.name = name
+        self.engine = engine
+
+    def skip_reason(self, concurrency: int, temperature: float) -> str | None:
+        limit = self.engine.cfg.max_num_seqs
+        return f"concurrency {concurrency} > max_num_seqs {limit}" if concurrency > limit else None
+
+    def run(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Measurement:
+        from dspark.llm import LLM
+
+        m = self.engine.metrics
+        tokens0, spec0 = m.generation_tokens, SpecCounters.of(m.spec)
+        t0 = time.perf_counter()
+        LLM.from_engine(self.engine).generate([list(p) for p in prompts], params)
+        wall = time.perf_counter() - t0
+        counters = SpecCounters.of(m.spec) - spec0 if self.engine.spec is not None else None
+        return Measurement(m.generation_tokens - tokens0, wall, counters)
+
+    def close(self) -> None:
+        pass
+
+
+# ---- rows ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    name: str
+    dataset: str
+    temperature: float
+    concurrency: int
+    num_prompts: int
+    output_tokens: int
+    wall_s: float
+    tokens_per_s: float
+    speedup_vs_ar: float
+    acceptance_length: float | None
+    per_position_acceptance: list[float] | None
+    verify_rate: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        return {k: d[k] for k in RESULT_KEYS}
+
+
+@dataclass(frozen=True)
+class Cell:
+    dataset: str
+    temperature: float
+    concurrency: int
+    prompts: tuple[tuple[int, ...], ...]  # token ids (BOS included), shared by every method
+    engine_only: bool = False  # context-depth cells: our engine's methods only
+
+
+def _batches(prompts: Sequence[Sequence[int]], size: int) -> list[list[Sequence[int]]]:
+    return [list(prompts[i : i + size]) for i in range(0, len(prompts), size)]
+
+
+def measure_cell(
+    methods: Sequence[Method],
+    cell: Cell,
+    params: SamplingParams,
+    on_measure: Callable[[str], None] | None = None,
+) -> list[BenchRow]:
+    """Run the cell round-robin over batches and methods; one row per method (``ar`` first, the reference)."""
+    names = [m.name for m in methods]
+    if AR not in names:
+        raise ConfigError("bench: the 'ar' method (our engine without speculation) is the speed-up reference")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"bench: method names must be unique, got {names}")
+    parts: dict[str, list[Measurement]] = {m.name: [] for m in methods}
+    params = replace(params, temperature=cell.temperature)
+    for b, batch in enumerate(_batches(cell.prompts, cell.concurrency)):
+        r = b % len(methods)
+        for method in [*methods[r:], *methods[:r]]:
+            parts[method.name].append(method.run(batch, params))
+            if on_measure is not None:
+                on_measure(method.name)
+    return rows_from_measurements(parts, cell)
+
+
+def rows_from_measurements(parts: dict[str, list[Measurement]], cell: Cell) -> list[BenchRow]:
+    def tps(ms: list[Measurement]) -> float:
+        wall = sum(m.wall_s for m in ms)
+        return sum(m.output_tokens for m in ms) / wall if wall > 0 else 0.0
+
+    ref = tps(parts[AR])
+    rows = []
+    for name, ms in parts.items():
+        counters = sum_counters([m.counters for m in ms])
+        rate = tps(ms)
+        rows.append(
+            BenchRow(
+                name=name,
+                dataset=cell.dataset,
+                temperature=float(cell.temperature),
+                concurrency=int(cell.concurrency),
+                num_prompts=len(cell.prompts),
+                output_tokens=int(sum(m.output_tokens for m in ms)),
+                wall_s=float(sum(m.wall_s for m in ms)),
+                tokens_per_s=float(rate),
+                speedup_vs_ar=float(rate / ref) if ref > 0 else 0.0,
+                acceptance_length=counters.acceptance_length if counters else None,
+                per_position_acceptance=counters.per_position_acceptance if counters else None,
+                verify_rate=counters.verify_rate if counters else None,
+            )
+        )
+    return rows
+
+
+# ---- the whole bench ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    dataset: str
+    model: str | None = None  # target dir (None: the bundled k3-mini)
+    draft: str | None = None  # DSpark drafter dir (None: the bundled drafter)
+    dflash_draft: str | None = None  # markov_rank-0 drafter (None: bundled k3-mini-dflash, else the head-off DSpark)
+    num_prompts: int | None = 16
+    max_tokens: int = 128
+    temperatures: tuple[float, ...] = (0.0,)
+    concurrency: tuple[int, ...] = (1,)
+    methods: tuple[str, ...] | None = None  # None: every applicable method
+    num_speculative_tokens: int | None = None  # None: 7, capped by the drafter's block_size
+    context_depths: tuple[int, ...] = ()
+    context_prompts: int = 4
+    context_source: str | None = None  # corpus-format JSONL (default: the committed held-out sources)
+    dtype: str = "bfloat16"
+    seed: int = 0
+    ignore_eos: bool = False
+    warmup: bool = True
+    vllm_python: str | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.temperatures or any(t < 0 for t in self.temperatures):
+            raise ConfigError(f"bench: --temperature values must be >= 0, got {list(self.temperatures)}")
+        if not self.concurrency or any(c < 1 for c in self.concurrency):
+            raise ConfigError(f"bench: --concurrency values must be >= 1, got {list(self.concurrency)}")
+        if any(d < 1 for d in self.context_depths):
+            raise ConfigError(f"bench: --context-depths must be positive token counts, got {list(self.context_depths)}")
+        if self.max_tokens < 1:
+            raise ConfigError(f"bench: --max-tokens must be >= 1, got {self.max_tokens}")
+        unknown = sorted(set(self.methods or ()) - set(ALL_METHODS))
+        if unknown:
+            raise ConfigError(f"bench: unknown method(s) {unknown}; choose from {list(ALL_METHODS)}")
+
+
+@dataclass(frozen=True)
+class BenchReport:
+    config: dict[str, Any]
+    results: list[BenchRow]
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"config": self.config | {"notes": self.notes}, "results": [r.to_json() for r in self.results]}
+
+
+@dataclass(frozen=True)
+class Resolved:
+    target_dir: Path
+    draft_dir: Path | None
+    dflash_dir: Path | None
+    dflash_head_off: bool
+    demo: bool
+
+
+def resolve_dirs(cfg: BenchConfig) -> Resolved:
+    from dspark.llm import BUNDLED_DFLASH, BUNDLED_DRAFT, bundled_available
+
+    demo = False
+    if cfg.model is None and not bundled_available():
+        import tempfile
+
+        from dspark.models.tiny import write_tiny_pair
+
+        d = Path(tempfile.mkdtemp(prefix="dspark-bench-demo-"))
+        target_dir, draft_dir = write_tiny_pair(d)
+        warnings.warn(
+            f"the bundled model pair is not installed: benchmarking a TINY RANDOM pair built in {d} "
+            "(numbers are not meaningful); pass --model/--draft",
+            stacklevel=2,
+        )
+        demo = True
+    else:
+        from dspark.llm import resolve_model
+
+        target_dir = resolve_model(cfg.model)
+        draft_dir = Path(cfg.draft) if cfg.draft else (BUNDLED_DRAFT if cfg.model is None else None)
+    dflash_dir = Path(cfg.dflash_draft) if cfg.dflash_draft else None
+    if dflash_dir is None and cfg.model is None and (BUNDLED_DFLASH / "config.json").exists():
+        dflash_dir = BUNDLED_DFLASH
+    head_off = dflash_dir is None and draft_dir is not None
+    return Resolved(target_dir, draft_dir, dflash_dir or draft_dir, head_off, demo)
+
+
+def _default_methods(cfg: BenchConfig, res: Resolved, notes: list[str]) -> list[str]:
+    if cfg.methods is not None:
+        return [AR, *[m for m in cfg.methods if m != AR]]
+    methods = [AR]
+    if res.draft_dir is not None:
+        methods += ["dspark", "dflash"]
+    methods += ["ngram", *HF_METHODS]
+    if res.draft_dir is not None:
+        if _calibration_file(res) is not None:
+            methods.append("dspark-adaptive")
+        else:
+            notes.append("dspark-adaptive: skipped (no sts_calibration.json next to the draft; run `dspark calibrate`)")
+    if cfg.vllm_python:
+        methods += list(VLLM_METHODS)
+    return methods
+
+
+def _calibration_file(res: Resolved) -> Path | None:
+    for d in (res.draft_dir, res.target_dir):
+        if d is not None and (d / "sts_calibration.json").exists():
+            return d / "sts_calibration.json"
+    return None
+
+
+def _spec_for(name: str, res: Resolved, k: int) -> dict[str, Any] | None:
+    if name == AR:
+        return None
+    if name == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k}
+    if res.draft_dir is None:
+        raise ConfigError(f"bench: method '{name}' needs a drafter; pass --draft DIR")
+    if name == "dflash":
+        return {"method": "dflash", "model": str(res.dflash_dir), "num_speculative_tokens": k}
+    spec = {"method": "dspark", "model": str(res.draft_dir), "num_speculative_tokens": k}
+    if name == "dspark-adaptive":
+        spec["enable_adaptive_verification"] = True
+    return spec
+
+
+def method_label(name: str, res: Resolved) -> str:
+    return "dflash (head off)" if name == "dflash" and res.dflash_head_off else name
+
+
+def _pages_needed(lengths: Sequence[int], concurrency: int, extra: int, page: int) -> int:
+    per = sorted((math.ceil((n + extra) / page) for n in lengths), reverse=True)
+    return sum(per[:concurrency])
+
+
+def run_bench(cfg: BenchConfig) -> BenchReport:
+    """Build every method on one loaded target, then run all cells interleaved; see the module docstring."""
+    from dspark.bench.datasets import pad_prompts, read_bench_prompts, read_sources
+    from dspark.llm import build_engines
+    from dspark.tokenizer import load_tokenizer
+
+    notes: list[str] = []
+    res = resolve_dirs(cfg)
+    tcfg = TargetConfig.load(res.target_dir)
+    tok = load_tokenizer(res.target_dir, tcfg.vocab_size, tcfg.eos_token_ids)
+    block = DraftConfig.load(res.draft_dir).block_size if res.draft_dir is not None else None
+    k = cfg.num_speculative_tokens or min(SpeculativeConfig().num_speculative_tokens, block or 32)
+
+    def encode(text: str) -> tuple[int, ...]:
+        ids = tok.encode(text)
+        bos = tcfg.bos_token_id
+        return tuple([bos, *ids] if bos is not None and (not ids or ids[0] != bos) else ids)
+
+    prompts = read_bench_prompts(cfg.dataset, cfg.num_prompts, getattr(tok, "apply_chat_template", None))
+    dataset = Path(cfg.dataset).name
+    base = tuple(encode(p.text) for p in prompts)
+    cells = [Cell(dataset, t, c, base) for t in cfg.temperatures for c in cfg.concurrency]
+    max_len = min(tcfg.max_position_embeddings, 32768)
+    depth_cells: list[Cell] = []
+    if cfg.context_depths:
+        sources = read_sources(cfg.context_source) if cfg.context_source else read_sources()
+        few = prompts[: cfg.context_prompts]
+        for depth in cfg.context_depths:
+            if depth + cfg.max_tokens + k + 1 > max_len:
+                notes.append(f"context depth {depth}: skipped (+ max_tokens exceeds the model's {max_len} positions)")
+                continue
+            padded = tuple(encode(t) for t in pad_prompts(few, depth - 1, lambda s: len(tok.encode(s)), sources))
+            for t in cfg.temperatures:
+                depth_cells.append(Cell(f"{dataset}@ctx{depth}", t, min(cfg.concurrency), padded, True))
+
+    names = _default_methods(cfg, res, notes)
+    engine_names = [n for n in names if n in ENGINE_METHODS]
+    page = 16
+    extra = cfg.max_tokens + k + 2
+    num_pages = max(
+        [_pages_needed([len(p) for p in c.prompts], c.concurrency, extra, page) for c in cells + depth_cells]
+    )
+    engines = build_engines(
+        res.target_dir,
+        [_spec_for(n, res, k) for n in engine_names],
+        dtype=cfg.dtype,
+        max_num_seqs=max(cfg.concurrency),
+        num_pages=num_pages + max(cfg.concurrency),
+        page_size=page,
+        seed=cfg.seed,
+        max_model_len=max_len,
+    )
+    methods: list[Method] = [EngineMethod(method_label(n, res), e) for n, e in zip(engine_names, engines)]
+    methods += _baseline_methods(names, cfg, res, k, tcfg, notes)
+    try:
+        rows = _run_cells(methods, cells, depth_cells, cfg, notes)
+    finally:
+        for m in methods:
+            m.close()
+    config = {
+        "model": str(res.target_dir),
+        "draft": str(res.draft_dir) if res.draft_dir else None,
+        "dflash_draft": str(res.dflash_dir) if res.dflash_dir else None,
+        "dflash_head_off": res.dflash_head_off,
+        "demo_tiny_random_pair": res.demo,
+        "dataset": str(cfg.dataset),
+        "num_prompts": len(prompts),
+        "max_tokens": cfg.max_tokens,
+        "temperatures": list(cfg.temperatures),
+        "concurrency": list(cfg.concurrency),
+        "methods": [m.name for m in methods],
+        "num_speculative_tokens": k,
+        "context_depths": list(cfg.context_depths),
+        "context_prompts": cfg.context_prompts,
+        "dtype": cfg.dtype,
+        "seed": cfg.seed,
+        "ignore_eos": cfg.ignore_eos,
+        "interleaving": "round-robin over batches, start method rotated per batch",
+    }
+    return BenchReport(config, rows, notes)
+
+
+def _baseline_methods(
+    names: list[str], cfg: BenchConfig, res: Resolved, k: int, tcfg: TargetConfig, notes: list[str]
+) -> list[Method]:
+    from dspark.bench.baselines import HFGenerate, VLLMMethod
+
+    out: list[Method] = []
+    hf = [n for n in names if n in HF_METHODS]
+    model = None
+    for n in hf:
+        try:
+            m = HFGenerate(n, res.target_dir, cfg.dtype, tcfg, k if n == "hf-prompt-lookup" else None, cfg.seed, model)
+        except Exception as e:  # transformers cannot load this target: report, keep benchmarking the rest
+            notes.append(f"{n}: skipped (transformers could not load {res.target_dir}: {e})")
+            continue
+        model = m.model
+        out.append(m)
+    for n in (n for n in names if n in VLLM_METHODS):
+        if not cfg.vllm_python:
+            notes.append(f"{n}: skipped (pass --vllm-python PYTHON with vLLM installed)")
+            continue
+        spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+        out.append(
+            VLLMMethod(n, cfg.vllm_python, res.target_dir, spec if n == "vllm-ngram" else None, cfg.dtype, cfg.seed)
+        )
+    return out
+
+
+def _run_cells(
+    methods: list[Method], cells: list[Cell], depth_cells: list[Cell], cfg: BenchConfig, notes: list[str]
+) -> list[BenchRow]:
+    from tqdm import tqdm
+
+    plan: list[tuple[Cell, list[Method]]] = []
+    for cell in cells + depth_cells:
+        active = []
+        for m in (m for m in methods if m.engine_backed or not cell.engine_only):
+            why = m.skip_reason(cell.concurrency, cell.temperature)
+            if why is None:
+                active.append(m)
+            else:
+                notes.append(f"{m.name}: skipped at T={cell.temperature:g} concurrency={cell.concurrency} ({why})")
+        plan.append((cell, active))
+    total = sum(len(a) * math.ceil(len(c.prompts) / c.concurrency) for c, a in plan)
+    params = SamplingParams(max_tokens=cfg.max_tokens, ignore_eos=cfg.ignore_eos)
+    rows: list[BenchRow] = []
+    with tqdm(total=total, unit="batch", disable=not cfg.progress, dynamic_ncols=True) as bar:
+        if cfg.warmup:
+            warm = replace(params, max_tokens=min(4, cfg.max_tokens), temperature=cfg.temperatures[0])
+            for m in methods:
+                bar.set_description(f"warm-up {m.name}")
+                m.run([cells[0].prompts[0]], warm)
+        for cell, active in plan:
+            label = f"{cell.dataset} T={cell.temperature:g} c={cell.concurrency}"
+
+            def tick(name: str, label: str = label) -> None:
+                bar.set_description(f"{label} {name}")
+                bar.update(1)
+
+            rows += measure_cell(active, cell, params, tick)
+    return rows
+
+
+# ---- output ----------------------------------------------------------------------------------------------------------
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "–" if v is None else format(v, spec)
+
+
+def markdown_table(rows: Sequence[BenchRow], max_positions: int = 8) -> str:
+    head = (
+        "| method | dataset | T | conc | prompts | out tok | tok/s | speed-up | τ | verify rate "
+        "| per-position acceptance |"
+    )
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+    for r in rows:
+        pos = r.per_position_acceptance
+        pos_s = "–" if pos is None else " ".join(f"{p:.2f}" for p in pos[:max_positions])
+        lines.append(
+            f"| {r.name} | {r.dataset} | {r.temperature:g} | {r.concurrency} | {r.num_prompts} | {r.output_tokens} "
+            f"| {r.tokens_per_s:.1f} | {r.speedup_vs_ar:.2f}x | {_fmt(r.acceptance_length, '.2f')} "
+            f"| {_fmt(r.verify_rate, '.2f')} | {pos_s} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,102 @@
+"""Stand-alone vLLM worker for ``dspark bench --vllm-python PYTHON`` (imports only vLLM and the standard library).
+
+Run as ``PYTHON vllm_worker.py '<init json>'`` with init = {"model", "dtype", "seed", "speculative_config",
+"max_model_len"}. It loads ``vllm.LLM`` once, then answers one request per stdin line::
+
+    {"prompts": [[token ids], ...], "temperature", "top_p", "top_k", "max_tokens", "ignore_eos", "seed"}
+    -> {"output_tokens": int, "wall_s": float, "spec": {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
+        "accepted_per_pos"} | null}        (spec counters are cumulative; the caller takes deltas)
+
+``{"cmd": "exit"}`` ends it. Replies are stdout lines starting with PREFIX; everything else vLLM prints goes to
+stderr (the real stdout is moved aside before vLLM is imported).
+"""
+
+import json
+import os
+import sys
+import time
+
+PREFIX = "@@dspark-bench@@ "
+
+
+def spec_counters(llm):
+    try:
+        metrics = llm.get_metrics()
+    except Exception:  # older vLLM, or stats disabled
+        return None
+    out = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": []}
+    seen = False
+    for m in metrics:
+        name = m.name.removeprefix("vllm:").removesuffix("_total")
+        if name == "spec_decode_num_accepted_tokens_per_pos":
+            values = list(getattr(m, "values", []) or [])
+            per = out["accepted_per_pos"]
+            per.extend([0] * (len(values) - len(per)))
+            for i, v in enumerate(values):
+                per[i] += int(v)
+            seen = True
+        elif name.startswith("spec_decode_num_") and name.removeprefix("spec_decode_") in out:
+            out[name.removeprefix("spec_decode_")] += int(getattr(m, "value", 0))
+            seen = True
+    return out if seen else None
+
+
+def main():
+    init = json.loads(sys.argv[1])
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    def send(obj):
+        proto.write(PREFIX + json.dumps(obj) + "\n")
+        proto.flush()
+
+    try:
+        from vllm import LLM, SamplingParams
+
+        kwargs = {
+            "model": init["model"],
+            "skip_tokenizer_init": True,
+            "dtype": init.get("dtype", "bfloat16"),
+            "seed": init.get("seed", 0),
+            "enforce_eager": True,
+            "disable_log_stats": False,
+        }
+        if init.get("max_model_len"):
+            kwargs["max_model_len"] = init["max_model_len"]
+        if init.get("speculative_config"):
+            kwargs["speculative_config"] = init["speculative_config"]
+        llm = LLM(**kwargs)
+    except Exception as e:
+        send({"error": f"{type(e).__name__}: {e}"})
+        return 1
+    send({"ready": True, "spec": spec_counters(llm)})
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        msg = json.loads(line)
+        if msg.get("cmd") == "exit":
+            break
+        try:
+            sp = SamplingParams(
+                temperature=msg["temperature"],
+                top_p=msg["top_p"],
+                top_k=msg["top_k"],
+                max_tokens=msg["max_tokens"],
+                ignore_eos=msg["ignore_eos"],
+                seed=msg["seed"],
+            )
+            prompts = [{"prompt_token_ids": ids} for ids in msg["prompts"]]
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            wall = time.perf_counter() - t0
+        except Exception as e:
+            send({"error": f"{type(e).__name__}: {e}"})
+            return 1
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        send({"output_tokens": tokens, "wall_s": wall, "spec": spec_counters(llm)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""``dspark serve``: the OpenAI-compatible server on FastAPI + uvicorn (registered by dspark.cli)."""
+
+from __future__ import annotations
+
+import argparse
+
+from dspark.config import EngineConfig
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from dspark.cli import _default_spec, _model_or_demo
+    from dspark.llm import build_engine
+    from dspark.serve.app import create_app
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(name)s %(message)s")
+    model, demo = _model_or_demo(args.model)
+    spec = _default_spec(args, model if demo else None)
+    engine = build_engine(
+        model,
+        spec,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        num_pages=args.num_pages,
+        seed=args.seed,
+        max_waiting=args.max_waiting,
+    )
+    app = create_app(engine, api_key=args.api_key, model_name=args.served_model_name)
+    name = app.state.dspark.model_name
+    method = engine.spec.method if engine.spec is not None else "none"
+    print(f"dspark serve: model {name!r} (speculation: {method}) on http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    d = EngineConfig()
+    p = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (completions, chat, SSE streaming, /metrics)",
+        description="Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, "
+        "GET /metrics (Prometheus, vLLM names), GET /version, POST /tokenize, POST /detokenize.",
+    )
+    p.add_argument("--model", default=None, help="target model dir (default: the bundled k3-mini pair)")
+    p.add_argument("--speculative-config", default=None, help='vLLM-style JSON or @file, e.g. \'{"method": "dspark"}\'')
+    p.add_argument("--no-spec", action="store_true", help="serve without speculative decoding")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument("--served-model-name", default=None, help="model id in the API (default: the model dir name)")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="requests batched together")
+    p.add_argument("--max-waiting", type=int, default=d.max_waiting, help="queued requests before answering 503")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--num-pages", type=int, default=None, help="KV cache pages (default: sized for max-num-seqs)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--dtype", default=d.dtype, choices=["bfloat16", "float32"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_serve)

@@ -1,0 +1,264 @@
+"""Target features for drafter training: online (a target forward inside the loop) or an offline cache.
+
+Per sample the drafter needs the target's taps [S, m·D] (outputs of decoder layers ``target_layer_ids``,
+concatenated) and its final post-norm hidden state [S, D]; target logits are rebuilt from the latter with
+the frozen lm_head inside the loss (dspark-method.md §6.1–6.2). Both paths round the features to the same
+``feature_dtype``, so online and offline training see identical inputs.
+
+Offline cache layout (written once by :func:`prepare_features`, read memory-mapped by :class:`FeatureCache`)::
+
+    manifest.json              tap_layers, widths, dtype, sample count, dataset fingerprint, shard names
+    index.npy                  int64 [N, 3]: shard, first row, length of every sample
+    taps-00000.bin ...         [rows, m·D] raw little-endian rows (bf16 stored as uint16, or fp32)
+    hidden-00000.bin ...       [rows, D]
+
+Usage: ``dspark prepare-features --target runs/target/export --data-dir runs/draft_data --taps 1,4,7,10``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from dspark.train.regenerate import DraftDataset
+
+MANIFEST = "manifest.json"
+INDEX = "index.npy"
+CACHE_VERSION = 1
+# feature dtype name -> (numpy storage dtype, torch dtype)
+FEATURE_DTYPES: dict[str, tuple[type, torch.dtype]] = {
+    "bfloat16": (np.uint16, torch.bfloat16),
+    "float32": (np.float32, torch.float32),
+}
+
+
+def _dtypes(name: str) -> tuple[type, torch.dtype]:
+    if name not in FEATURE_DTYPES:
+        raise ValueError(f"feature dtype {name!r} is not supported; use one of {sorted(FEATURE_DTYPES)}")
+    return FEATURE_DTYPES[name]
+
+
+@dataclass(frozen=True)
+class Features:
+    taps: torch.Tensor  # [B, S, m·D] in the feature dtype
+    hidden: torch.Tensor  # [B, S, D] target final post-norm hidden, in the feature dtype
+
+
+@torch.no_grad()
+def target_features(
+    target: nn.Module,
+    input_ids: torch.Tensor,
+    tap_layers: Sequence[int],
+    feature_dtype: str = "bfloat16",
+    autocast: bool = True,
+) -> Features:
+    """Online features: input_ids [B, S] (right-padded; the causal target ignores the padding) → Features."""
+    _, tdtype = _dtypes(feature_dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = target(input_ids, tap_layers=tuple(tap_layers), absorbed=False, compute_logits=False)
+    assert out.taps is not None
+    return Features(taps=out.taps.to(tdtype), hidden=out.hidden.to(tdtype))
+
+
+@torch.no_grad()
+def target_logits_at(lm_head: nn.Module, hidden: torch.Tensor, rows: torch.Tensor, autocast: bool) -> torch.Tensor:
+    """Target next-token logits fp32 [B, N, V] at row indices rows [B, N] of hidden [B, S, D]."""
+    picked = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1]))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        w = lm_head.weight
+        return lm_head(picked.to(w.dtype)).float()
+
+
+# --------------------------------------------------------------------------------------------------------
+# offline cache
+# --------------------------------------------------------------------------------------------------------
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    out_dir: str
+    num_samples: int
+    num_tokens: int
+    bytes_written: int
+    wall_clock_s: float
+
+
+def prepare_features(
+    target: nn.Module,
+    dataset: DraftDataset,
+    out_dir: str | Path,
+    tap_layers: Sequence[int],
+    feature_dtype: str = "bfloat16",
+    autocast: bool = True,
+    batch_tokens: int = 4096,
+    max_shard_bytes: int = 1 << 30,
+    progress: bool = False,
+) -> PrepareResult:
+    """Run the frozen target once over every sample and write the sharded cache (atomically: a temporary
+    directory renamed into place, manifest last). Samples are batched by similar length."""
+    np_dtype, _ = _dtypes(feature_dtype)
+    out = Path(out_dir)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    t0 = time.perf_counter()
+    n = len(dataset)
+    lengths = dataset.lengths()
+    taps_width = hidden_width = None
+    index = np.zeros((n, 3), dtype=np.int64)
+    shards: list[str] = []
+    files: tuple | None = None
+    rows_in_shard = 0
+    written = 0
+    order = np.argsort(lengths, kind="stable")
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    for i in order.tolist():
+        if cur and (len(cur) + 1) * int(lengths[i]) > batch_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    try:
+        for bi, batch in enumerate(batches):
+            S = int(lengths[batch].max())
+            ids = torch.zeros(len(batch), S, dtype=torch.long)
+            for r, i in enumerate(batch):
+                x, _ = dataset[i]
+                ids[r, : x.size] = torch.from_numpy(x)
+            feats = target_features(target, ids, tap_layers, feature_dtype, autocast)
+            taps_np = _to_numpy(feats.taps, np_dtype)
+            hidden_np = _to_numpy(feats.hidden, np_dtype)
+            taps_width, hidden_width = taps_np.shape[-1], hidden_np.shape[-1]
+            row_bytes = (taps_width + hidden_width) * np.dtype(np_dtype).itemsize
+            for r, i in enumerate(batch):
+                L = int(lengths[i])
+                if files is None or (rows_in_shard + L) * row_bytes > max_shard_bytes and rows_in_shard:
+                    if files is not None:
+                        for f in files:
+                            f.close()
+                    name = f"{len(shards):05d}"
+                    shards.append(name)
+                    files = (open(tmp / f"taps-{name}.bin", "wb"), open(tmp / f"hidden-{name}.bin", "wb"))
+                    rows_in_shard = 0
+                files[0].write(np.ascontiguousarray(taps_np[r, :L]).tobytes())
+                files[1].write(np.ascontiguousarray(hidden_np[r, :L]).tobytes())
+                index[i] = (len(shards) - 1, rows_in_shard, L)
+                rows_in_shard += L
+                written += L * row_bytes
+            if progress and (bi + 1) % 20 == 0:
+                print(f"prepare-features: {bi + 1}/{len(batches)} batches", file=sys.stderr, flush=True)
+        if files is not None:
+            for f in files:
+                f.flush()
+                os.fsync(f.fileno())
+                f.close()
+        np.save(tmp / INDEX, index)
+        manifest = {
+            "version": CACHE_VERSION,
+            "num_samples": n,
+            "num_tokens": int(lengths.sum()),
+            "tap_layers": list(tap_layers),
+            "taps_width": taps_width,
+            "hidden_width": hidden_width,
+            "dtype": feature_dtype,
+            "autocast_bf16": autocast,
+            "dataset_fingerprint": dataset.fingerprint(),
+            "shards": shards,
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        _fsync_dir(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return PrepareResult(str(out), n, int(lengths.sum()), written, round(time.perf_counter() - t0, 1))
+
+
+def _to_numpy(x: torch.Tensor, np_dtype: type) -> np.ndarray:
+    if np_dtype is np.uint16:
+        return x.contiguous().view(torch.int16).numpy().view(np.uint16)
+    return x.float().numpy()
+
+
+class FeatureCache:
+    """Memory-mapped reader of a cache written by :func:`prepare_features`."""
+
+    def __init__(self, directory: str | Path, dataset: DraftDataset | None = None, tap_layers=None) -> None:
+        self.dir = Path(directory)
+        mpath = self.dir / MANIFEST
+        if not mpath.is_file():
+            raise FileNotFoundError(
+                f"{mpath} not found; write the feature cache first with `dspark prepare-features` "
+                "(or train with --features online)"
+            )
+        self.manifest = json.loads(mpath.read_text())
+        if self.manifest.get("version") != CACHE_VERSION:
+            raise ValueError(f"{mpath}: cache version {self.manifest.get('version')} != {CACHE_VERSION}; rebuild it")
+        self.feature_dtype: str = self.manifest["dtype"]
+        self.np_dtype, self.torch_dtype = _dtypes(self.feature_dtype)
+        self.index = np.load(self.dir / INDEX)
+        if dataset is not None:
+            if self.manifest["dataset_fingerprint"] != dataset.fingerprint():
+                raise ValueError(
+                    f"{self.dir}: the cache was computed from a different dataset; rerun `dspark prepare-features`"
+                )
+            if not np.array_equal(self.index[:, 2], dataset.lengths()):
+                raise ValueError(f"{self.dir}: sample lengths do not match the dataset; rerun prepare-features")
+        if tap_layers is not None and list(tap_layers) != self.manifest["tap_layers"]:
+            raise ValueError(
+                f"{self.dir}: cached taps are layers {self.manifest['tap_layers']} but the drafter wants "
+                f"{list(tap_layers)}; rerun `dspark prepare-features --taps {','.join(map(str, tap_layers))}`"
+            )
+        self._maps: dict[tuple[str, int], np.memmap] = {}
+
+    def __len__(self) -> int:
+        return int(self.index.shape[0])
+
+    def _map(self, kind: str, shard: int) -> np.memmap:
+        key = (kind, shard)
+        if key not in self._maps:
+            width = self.manifest["taps_width" if kind == "taps" else "hidden_width"]
+            path = self.dir / f"{kind}-{self.manifest['shards'][shard]}.bin"
+            self._maps[key] = np.memmap(path, dtype=self.np_dtype, mode="r").reshape(-1, width)
+        return self._maps[key]
+
+    def get(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """→ (taps [S, m·D], hidden [S, D]) in the cache dtype (copies, safe to modify)."""
+        shard, start, length = (int(v) for v in self.index[i])
+        out = []
+        for kind in ("taps", "hidden"):
+            rows = np.array(self._map(kind, shard)[start : start + length])
+            t = torch.from_numpy(rows)
+            out.append(t.view(torch.bfloat16) if self.np_dtype is np.uint16 else t)
+        return out[0], out[1]
+
+    def batch(self, indices: Sequence[int], seq_len: int) -> Features:
+        """Right-padded (zeros) features of the samples → Features with [B, seq_len, ..]."""
+        taps = torch.zeros(len(indices), seq_len, self.manifest["taps_width"], dtype=self.torch_dtype)
+        hidden = torch.zeros(len(indices), seq_len, self.manifest["hidden_width"], dtype=self.torch_dtype)
+        for r, i in enumerate(indices):
+            t, h = self.get(i)
+            taps[r, : t.shape[0]] = t
+            hidden[r, : h.shape[0]] = h
+        return Features(taps=taps, hidden=hidden)

@@ -1,0 +1,903 @@
+"""DSpark (and DFlash) drafter training against a frozen MLA target (dspark-method.md §3.4–§3.5, §6).
+
+One optimizer step:
+1. the step's global batch is a pure function of the step (a per-epoch permutation of the dataset), and so
+   are the anchors of every sample (a generator seeded by (seed, step, row)); resume needs no RNG state;
+2. per sample: up to ``num_anchors`` random anchors a with loss_mask[a] and loss_mask[a+1]; blocks of K slots
+   ``[x_a, MASK × (K−1)]`` at positions a..a+K−1; labels x_{a+1..a+K}; a contiguous-prefix eval mask;
+3. target features (taps [S, m·D] and the final hidden [S, D]) online (a no-grad target forward) or from
+   the offline cache; the drafter sees context rows strictly before its anchor plus its own block;
+4. Markov teacher forcing with prev = [anchor, labels[:-1]]; confidence logits from [h_k ; W1[prev_k]];
+5. loss 0.1·CE + 0.9·L1(p_draft, p_target) + 1.0·BCE(conf, 1 − ½‖p_d − p_t‖₁), weights exp(−k/4), normalised
+   by the global (all-reduced over ranks and micro-steps) weight sum and multiplied by the world size, which
+   cancels DDP's gradient averaging, so any rank/micro-batch split equals one big batch;
+6. AdamW on fp32 parameters (bf16 autocast forward), linear warmup + cosine, gradient clipping.
+
+The embedding and lm_head are the target's, frozen and never saved in the drafter's checkpoint. Checkpoints
+(``out_dir/checkpoint/last.pt``) resume bit-exactly; the export (``out_dir/export``) is the official
+``k3_dspark`` directory written by ``save_drafter`` (bf16) plus ``training_log.json``.
+
+Runs single-process or under ``torchrun`` (gloo on CPU):
+``torchrun --nproc_per_node 2 --no-python dspark train-draft --target DIR --data-dir DIR --out-dir DIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field, fields
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dspark.config import DraftConfig, TargetConfig
+from dspark.models.drafter import DSparkDrafter
+from dspark.train.anchors import block_inputs, block_positions, block_targets, block_visibility, sample_anchors
+from dspark.train.features import FeatureCache, Features, target_features, target_logits_at
+from dspark.train.loss import DSparkLoss, LossWeights, dspark_loss, position_weights
+from dspark.train.regenerate import TRAIN_FILE, VALIDATION_FILE, DraftDataset
+
+CHECKPOINT_DIR = "checkpoint"
+CHECKPOINT_FILE = "last.pt"
+EXPORT_DIR = "export"
+TRAINING_LOG = "training_log.json"
+CHECKPOINT_VERSION = 1
+MASK_ID = 3  # dspark.train.tokenizer: <|mask|>
+
+
+# --------------------------------------------------------------------------------------------------------
+# configuration
+# --------------------------------------------------------------------------------------------------------
+
+
+def spread_taps(num_layers: int, num_taps: int) -> tuple[int, ...]:
+    """num_taps target layer ids spread evenly over [1, L−2] (never the last layer); fewer if L is small."""
+    if num_layers < 2:
+        return (0,) if num_layers == 1 and num_taps > 0 else ()
+    hi = max(num_layers - 2, 0)
+    lo = min(1, hi)
+    ids = np.unique(np.round(np.linspace(lo, hi, num_taps)).astype(int))
+    return tuple(int(i) for i in ids)
+
+
+def draft_config_for(
+    target: TargetConfig,
+    num_layers: int = 2,
+    markov_rank: int = 96,
+    markov_head_type: str = "vanilla",
+    confidence: bool = True,
+    taps: Sequence[int] | None = None,
+    num_taps: int = 4,
+    block_size: int = 7,
+    mask_token_id: int = MASK_ID,
+    intermediate_size: int | None = None,
+) -> DraftConfig:
+    """A k3_dspark drafter for ``target``: its hidden size, MLA widths (so both share one latent page
+    format), RoPE/YaRN and special ids; ``num_layers`` layers; taps spread over the target depth."""
+    tap_ids = tuple(taps) if taps is not None else spread_taps(target.num_hidden_layers, num_taps)
+    if tap_ids and tap_ids[-1] >= target.num_hidden_layers - 1 and target.num_hidden_layers > 1:
+        raise ValueError(
+            f"target_layer_ids {list(tap_ids)} include the target's last layer {target.num_hidden_layers - 1}; "
+            "its output is the pre-norm final state the drafter must not see — pick earlier layers"
+        )
+    return DraftConfig(
+        architecture="K3DSparkModel",
+        hidden_size=target.hidden_size,
+        intermediate_size=intermediate_size or target.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=target.num_attention_heads,
+        vocab_size=target.vocab_size,
+        target_layer_ids=tap_ids,
+        target_hidden_size=target.hidden_size,
+        target_num_hidden_layers=target.num_hidden_layers,
+        mask_token_id=mask_token_id,
+        rope=target.rope,
+        max_position_embeddings=target.max_position_embeddings,
+        q_lora_rank=target.q_lora_rank,
+        kv_lora_rank=target.kv_lora_rank,
+        qk_nope_head_dim=target.qk_nope_head_dim,
+        qk_rope_head_dim=target.qk_rope_head_dim,
+        v_head_dim=target.v_head_dim,
+        mla_use_nope=target.mla_use_nope,
+        mla_use_output_gate=target.mla_use_output_gate,
+        markov_rank=markov_rank,
+        markov_head_type=markov_head_type,
+        enable_confidence_head=confidence,
+        confidence_head_with_markov=True,
+        block_size=block_size,
+        rms_norm_eps=target.rms_norm_eps,
+        bos_token_id=target.bos_token_id,
+        eos_token_id=target.eos_token_id,
+        pad_token_id=target.pad_token_id,
+        torch_dtype="bfloat16",
+    )
+
+
+@dataclass(frozen=True)
+class DraftTrainConfig:
+    """Everything a drafter training run depends on; stored in every checkpoint."""
+
+    target_dir: str = "runs/target/export"
+    data_dir: str = "runs/draft_data"  # train.npz (+ validation.npz) from `dspark draft-data`
+    out_dir: str = "runs/draft"
+    features: str = "online"  # "online" | "offline"
+    feature_dir: str | None = None  # offline cache root (train/, validation/); None: <data_dir>/features
+    feature_dtype: str = "bfloat16"
+    # drafter shape
+    dflash: bool = False  # markov_rank 0, no confidence head, CE-only loss (DeepSpec's DFlash baseline)
+    num_layers: int = 2
+    markov_rank: int = 96
+    markov_head_type: str = "vanilla"
+    confidence_head: bool = True
+    target_layer_ids: tuple[int, ...] | None = None  # None: spread_taps(target depth, num_taps)
+    num_taps: int = 4
+    block_size: int = 7
+    mask_token_id: int = MASK_ID
+    intermediate_size: int | None = None  # None: the target's
+    init_std: float = 0.02
+    # loss
+    ce_weight: float = 0.1
+    l1_weight: float = 0.9
+    confidence_weight: float = 1.0
+    decay_gamma: float = 4.0
+    # optimisation
+    num_anchors: int = 64
+    batch_size: int = 8  # global sequences per optimizer step (over all ranks and micro-steps)
+    micro_batch_size: int | None = None  # sequences per rank per forward; None: batch_size // world_size
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    warmup_steps: int | None = None  # None: warmup_ratio · max_steps
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    grad_clip: float = 1.0
+    max_steps: int | None = None
+    epochs: float | None = None  # sets max_steps from the dataset size when max_steps is None
+    max_minutes: float | None = None  # wall-clock stop (checkpoint + export) across resumes
+    autocast_bf16: bool = True
+    seed: int = 42
+    num_threads: int | None = None
+    # bookkeeping
+    eval_interval: int = 200
+    eval_max_samples: int | None = None
+    eval_num_anchors: int = 512
+    ckpt_interval: int = 200
+    log_interval: int = 10
+    export_dtype: str = "bfloat16"
+    halt_at_step: int | None = None  # stop (checkpoint, no export) after this step, as if interrupted
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.features not in ("online", "offline"):
+            raise ValueError(f"DraftTrainConfig.features = {self.features!r}: use 'online' or 'offline'")
+        for name in ("batch_size", "num_anchors", "block_size", "eval_interval", "ckpt_interval", "log_interval"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"DraftTrainConfig.{name} = {v!r}: must be a positive integer")
+        if self.max_steps is None and self.epochs is None:
+            raise ValueError("DraftTrainConfig: set max_steps or epochs (max_minutes only stops early)")
+        if self.lr <= 0 or self.grad_clip <= 0:
+            raise ValueError(f"DraftTrainConfig: lr ({self.lr}) and grad_clip ({self.grad_clip}) must be positive")
+
+    @property
+    def loss_weights(self) -> LossWeights:
+        if self.dflash:
+            return LossWeights(ce=1.0, l1=0.0, confidence=0.0, decay_gamma=self.decay_gamma)
+        conf = self.confidence_weight if self.confidence_head else 0.0
+        return LossWeights(ce=self.ce_weight, l1=self.l1_weight, confidence=conf, decay_gamma=self.decay_gamma)
+
+    def draft_config(self, target: TargetConfig) -> DraftConfig:
+        return draft_config_for(
+            target,
+            num_layers=self.num_layers,
+            markov_rank=0 if self.dflash else self.markov_rank,
+            markov_head_type=self.markov_head_type,
+            confidence=False if self.dflash else self.confidence_head,
+            taps=self.target_layer_ids,
+            num_taps=self.num_taps,
+            block_size=self.block_size,
+            mask_token_id=self.mask_token_id,
+            intermediate_size=self.intermediate_size,
+        )
+
+    def feature_root(self) -> Path:
+        return Path(self.feature_dir) if self.feature_dir else Path(self.data_dir) / "features"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        if self.target_layer_ids is not None:
+            d["target_layer_ids"] = list(self.target_layer_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DraftTrainConfig:
+        known = {f.name for f in fields(cls)}
+        d = {k: v for k, v in d.items() if k in known}
+        if d.get("target_layer_ids") is not None:
+            d["target_layer_ids"] = tuple(d["target_layer_ids"])
+        return cls(**d)
+
+
+# fields that must not change on resume
+SHAPE_FIELDS = (
+    "dflash",
+    "num_layers",
+    "markov_rank",
+    "markov_head_type",
+    "confidence_head",
+    "target_layer_ids",
+    "num_taps",
+    "block_size",
+    "intermediate_size",
+    "batch_size",
+    "num_anchors",
+    "seed",
+)
+
+
+# --------------------------------------------------------------------------------------------------------
+# distributed helpers
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1 and dist.is_available() and dist.is_initialized()
+
+    def all_sum(self, x: torch.Tensor) -> torch.Tensor:
+        if self.enabled:
+            x = x.clone()
+            dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        return x
+
+
+def init_distributed() -> Dist:
+    """Join the torchrun process group (gloo on CPU) when WORLD_SIZE > 1; otherwise a single process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Dist()
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    return Dist(rank=dist.get_rank(), world_size=dist.get_world_size())
+
+
+# --------------------------------------------------------------------------------------------------------
+# batches
+# --------------------------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=4)
+def _epoch_order(seed: int, epoch: int, num_samples: int) -> np.ndarray:
+    return np.random.default_rng([seed, epoch]).permutation(num_samples)
+
+
+def step_samples(step: int, batch_size: int, num_samples: int, seed: int) -> list[int]:
+    """Dataset indices of optimizer step ``step``: consecutive slices of per-epoch seeded permutations."""
+    out = []
+    for g in range(step * batch_size, (step + 1) * batch_size):
+        epoch, pos = divmod(g, num_samples)
+        out.append(int(_epoch_order(seed, epoch, num_samples)[pos]))
+    return out
+
+
+def _anchor_generator(seed: int, step: int | None, row: int) -> torch.Generator:
+    """Training step s draws from stream (seed, 0, s, row); evaluation (step None) from (seed, 1, row)."""
+    key = [seed, 0, step, row] if step is not None else [seed, 1, row]
+    state = np.random.SeedSequence(key).generate_state(2, dtype=np.uint32)
+    return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
+
+
+@dataclass(frozen=True)
+class BlockBatch:
+    """A padded micro-batch of sequences and their packed blocks. S = longest sample, A anchors, K slots."""
+
+    sample_ids: tuple[int, ...]
+    input_ids: torch.Tensor  # [B, S] long (right-padded)
+    loss_mask: torch.Tensor  # [B, S] bool (False on padding)
+    lengths: torch.Tensor  # [B] long
+    anchors: torch.Tensor  # [B, A] long (A ≤ num_anchors: columns that are padding in every row are cut)
+    keep: torch.Tensor  # [B, A] bool
+    block_ids: torch.Tensor  # [B, A, K] = [x_a, MASK × (K−1)]
+    labels: torch.Tensor  # [B, A, K] x_{a+1..a+K} (0 past the end)
+    eval_mask: torch.Tensor  # [B, A, K] bool, contiguous prefix per block
+
+
+def make_block_batch(
+    dataset: DraftDataset,
+    sample_ids: Sequence[int],
+    rows: Sequence[int],
+    num_anchors: int,
+    block_size: int,
+    mask_token_id: int,
+    seed: int,
+    step: int | None,
+    pad_id: int = 0,
+) -> BlockBatch:
+    """Blocks of the given samples; ``rows`` (their row in the global step batch) seed the anchor choice, so
+    a sample gets the same anchors however the step's batch is split over ranks and micro-steps.
+    ``step`` None selects the evaluation stream."""
+    samples = [dataset[i] for i in sample_ids]
+    S = max(x.size for x, _ in samples)
+    B = len(samples)
+    input_ids = torch.full((B, S), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(B, S, dtype=torch.bool)
+    anchors = torch.zeros(B, num_anchors, dtype=torch.long)
+    keep = torch.zeros(B, num_anchors, dtype=torch.bool)
+    for r, ((x, m), row) in enumerate(zip(samples, rows)):
+        input_ids[r, : x.size] = torch.from_numpy(x)
+        loss_mask[r, : m.size] = torch.from_numpy(m)
+        a, k = sample_anchors(loss_mask[r : r + 1, : x.size], num_anchors, _anchor_generator(seed, step, row))
+        anchors[r], keep[r] = a[0], k[0]
+    # drop anchor columns that are padding in every row (dummy blocks cost compute and supervise nothing)
+    used = max(1, int(keep.sum(1).max()))
+    anchors, keep = anchors[:, :used].contiguous(), keep[:, :used].contiguous()
+    labels, eval_mask = block_targets(input_ids, loss_mask, anchors, keep, block_size)
+    return BlockBatch(
+        sample_ids=tuple(int(i) for i in sample_ids),
+        input_ids=input_ids,
+        loss_mask=loss_mask,
+        lengths=torch.tensor([x.size for x, _ in samples], dtype=torch.long),
+        anchors=anchors,
+        keep=keep,
+        block_ids=block_inputs(input_ids, anchors, block_size, mask_token_id),
+        labels=labels,
+        eval_mask=eval_mask,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------
+# model pieces
+# --------------------------------------------------------------------------------------------------------
+
+
+class BlockForward(nn.Module):
+    """The drafter's training forward over packed blocks (the module DDP wraps)."""
+
+    def __init__(self, drafter: DSparkDrafter) -> None:
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(
+        self,
+        block_ids: torch.Tensor,
+        anchors: torch.Tensor,
+        keep: torch.Tensor,
+        labels: torch.Tensor,
+        taps: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """block_ids/labels [B, A, K], anchors/keep [B, A], taps [B, S, m·D] → (teacher-forced, Markov-corrected
+        draft logits fp32 [B, A, K, V], confidence logits [B, A, K] or None)."""
+        B, A, K = block_ids.shape
+        S = taps.shape[1]
+        d = self.drafter
+        ctx_positions = torch.arange(S, device=taps.device).expand(B, S)
+        out = d(
+            block_ids.reshape(B, A * K),
+            block_positions(anchors, K),
+            block_visibility(S, anchors, keep, K),
+            ctx_taps=taps,
+            ctx_positions=ctx_positions,
+            absorbed=False,
+        )
+        assert out.base_logits is not None
+        logits = out.base_logits.view(B, A, K, -1)
+        hidden = out.hidden.view(B, A, K, -1)
+        prev_embeds = None
+        if d.markov_head is not None:
+            prev = torch.cat((block_ids[..., :1], labels[..., :-1]), -1)  # [anchor, labels[:-1]]
+            logits, prev_embeds = d.markov_head.teacher_forced(logits, hidden, prev)
+        return logits.float(), d.confidence(hidden, prev_embeds)
+
+
+def init_drafter_(drafter: DSparkDrafter, std: float, generator: torch.Generator) -> None:
+    """N(0, std) matrices (std/sqrt(2L) for o_proj/down_proj), ones for norms, zero biases."""
+    resid = std / math.sqrt(2 * max(1, drafter.config.num_hidden_layers))
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if p.ndim == 1:
+                p.fill_(0.0 if name.endswith("bias") else 1.0)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.normal_(0.0, resid, generator=generator)
+            else:
+                p.normal_(0.0, std, generator=generator)
+
+
+def build_drafter(cfg: DraftTrainConfig, target: nn.Module) -> DSparkDrafter:
+    drafter = DSparkDrafter(cfg.draft_config(target.config))
+    init_drafter_(drafter, cfg.init_std, torch.Generator().manual_seed(cfg.seed))
+    drafter.attach(target.embed_tokens, target.lm_head)
+    return drafter.float().train()
+
+
+# --------------------------------------------------------------------------------------------------------
+# metrics
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MetricSums:
+    """Additive sums (over micro-steps and ranks) from which step/eval metrics are derived."""
+
+    K: int
+    values: torch.Tensor = field(default=None)  # type: ignore[assignment]
+    # layout: [w_sum, ce_num, l1_num, conf_num, blocks, tau_sum, c_sum[K], count[K]]
+
+    def __post_init__(self) -> None:
+        if self.values is None:
+            self.values = torch.zeros(6 + 2 * self.K, dtype=torch.float64)
+
+    def add(self, res: DSparkLoss, eval_mask: torch.Tensor, weights: LossWeights, denom: float) -> None:
+        K = self.K
+        m = eval_mask.bool()
+        w = (position_weights(K, weights.decay_gamma) * m).sum().double()
+        c = res.accept_target.double()
+        blocks = m[..., 0]
+        tau = ((1 + torch.cumprod(c, -1).sum(-1)) * blocks).sum()
+        v = self.values
+        v[0] += w
+        v[1] += float(res.ce.detach()) * denom
+        v[2] += float(res.l1.detach()) * denom
+        v[3] += float(res.confidence.detach()) * denom
+        v[4] += float(blocks.sum())
+        v[5] += float(tau)
+        v[6 : 6 + K] += c.sum((0, 1))
+        v[6 + K :] += m.sum((0, 1)).double()
+
+    def summary(self, weights: LossWeights) -> dict[str, Any]:
+        K, v = self.K, self.values
+        w = max(float(v[0]), 1e-12)
+        ce, l1, conf = float(v[1]) / w, float(v[2]) / w, float(v[3]) / w
+        loss = weights.ce * ce + weights.l1 * l1 + weights.confidence * conf
+        counts = v[6 + K :].clamp_min(1)
+        return {
+            "loss": round(loss, 5),
+            "ce": round(ce, 5),
+            "l1": round(l1, 5),
+            "confidence": round(conf, 5),
+            "accept_rate": [round(float(x), 4) for x in v[6 : 6 + K] / counts],
+            "tau_probabilistic": round(float(v[5]) / max(float(v[4]), 1.0), 4),
+            "supervised_slots": int(v[6 + K :].sum()),
+        }
+
+
+# --------------------------------------------------------------------------------------------------------
+# the trainer
+# --------------------------------------------------------------------------------------------------------
+
+
+def _autocast(enabled: bool):
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
+
+
+def lr_at(step: int, cfg: DraftTrainConfig, max_steps: int) -> float:
+    """Linear warmup then cosine decay to lr·min_lr_ratio (0-based optimizer step)."""
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, round(cfg.warmup_ratio * max_steps))
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class DraftTrainer:
+    """Holds the frozen target, the drafter, its DDP wrapper, the optimizer and the data of one run."""
+
+    def __init__(
+        self,
+        cfg: DraftTrainConfig,
+        target: nn.Module,
+        train_data: DraftDataset,
+        val_data: DraftDataset | None = None,
+        dist_info: Dist | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.dist = dist_info or Dist()
+        self.target = target.eval().requires_grad_(False)
+        self.train_data = train_data
+        self.val_data = val_data
+        self.drafter = build_drafter(cfg, target)
+        self.draft_cfg = self.drafter.config
+        self.K = cfg.block_size
+        self.weights = cfg.loss_weights
+        self.block_forward = BlockForward(self.drafter)
+        self.module: nn.Module = self.block_forward
+        if self.dist.enabled:
+            self.module = nn.parallel.DistributedDataParallel(self.block_forward, broadcast_buffers=False)
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, weight_decay=cfg.weight_decay, foreach=True
+        )
+        world = self.dist.world_size
+        micro = cfg.micro_batch_size or max(1, cfg.batch_size // world)
+        if cfg.batch_size % (world * micro):
+            raise ValueError(
+                f"batch_size={cfg.batch_size} must be a multiple of world_size×micro_batch_size={world}×{micro}"
+            )
+        self.micro = micro
+        self.accum = cfg.batch_size // (world * micro)
+        if cfg.max_steps is not None:
+            self.max_steps = cfg.max_steps
+        else:
+            assert cfg.epochs is not None
+            self.max_steps = max(1, math.ceil(cfg.epochs * len(train_data) / cfg.batch_size))
+        self.step = 0
+        self.caches: dict[str, FeatureCache] = {}
+        if cfg.features == "offline":
+            taps = self.draft_cfg.target_layer_ids
+            root = cfg.feature_root()
+            self.caches["train"] = FeatureCache(root / "train", train_data, taps)
+            if val_data is not None:
+                self.caches["validation"] = FeatureCache(root / "validation", val_data, taps)
+
+    # ---- features ----------------------------------------------------------------------------------
+    def features(self, batch: BlockBatch, split: str) -> Features:
+        if self.cfg.features == "offline":
+            return self.caches[split].batch(batch.sample_ids, batch.input_ids.shape[1])
+        return target_features(
+            self.target,
+            batch.input_ids,
+            self.draft_cfg.target_layer_ids,
+            self.cfg.feature_dtype,
+            self.cfg.autocast_bf16,
+        )
+
+    def target_logits(self, batch: BlockBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """Target next-token logits fp32 [B, A, K, V] at rows anchor + j (slot j's prefix)."""
+        B, A = batch.anchors.shape
+        rows = (batch.anchors[..., None] + torch.arange(self.K)).clamp(max=hidden.shape[1] - 1)
+        logits = target_logits_at(self.target.lm_head, hidden, rows.view(B, A * self.K), self.cfg.autocast_bf16)
+        return logits.view(B, A, self.K, -1)
+
+    # ---- one micro-batch ---------------------------------------------------------------------------
+    def batch_loss(
+        self, batch: BlockBatch, split: str, denominator: torch.Tensor | float, module: nn.Module | None = None
+    ) -> DSparkLoss:
+        feats = self.features(batch, split)
+        target_logits = self.target_logits(batch, feats.hidden)
+        with _autocast(self.cfg.autocast_bf16):
+            logits, conf = (module or self.module)(batch.block_ids, batch.anchors, batch.keep, batch.labels, feats.taps)
+        return dspark_loss(
+            logits, target_logits, conf, batch.labels, batch.eval_mask, self.weights, denominator=denominator
+        )
+
+    def _weight_sum(self, batch: BlockBatch) -> torch.Tensor:
+        return (position_weights(self.K, self.weights.decay_gamma) * batch.eval_mask).sum()
+
+    def step_batches(self, step: int) -> list[BlockBatch]:
+        """This rank's micro-batches of optimizer step ``step``."""
+        cfg = self.cfg
+        ids = step_samples(step, cfg.batch_size, len(self.train_data), cfg.seed)
+        world, rank = self.dist.world_size, self.dist.rank
+        out = []
+        for j in range(self.accum):
+            rows = [(j * world + rank) * self.micro + r for r in range(self.micro)]
+            out.append(
+                make_block_batch(
+                    self.train_data,
+                    [ids[r] for r in rows],
+                    rows,
+                    cfg.num_anchors,
+                    self.K,
+                    cfg.mask_token_id,
+                    cfg.seed,
+                    step,
+                    pad_id=self.draft_cfg.pad_token_id or 0,
+                )
+            )
+        return out
+
+    # ---- one optimizer step ------------------------------------------------------------------------
+    def train_step(self) -> tuple[MetricSums, float]:
+        """Run optimizer step ``self.step``; returns (this rank's metric sums, grad norm)."""
+        cfg = self.cfg
+        lr = lr_at(self.step, cfg, self.max_steps)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        batches = self.step_batches(self.step)
+        local = torch.stack([self._weight_sum(b) for b in batches]).sum().double()
+        denom = self.dist.all_sum(local).float()
+        sums = MetricSums(self.K)
+        self.module.train()
+        for j, batch in enumerate(batches):
+            last = j == len(batches) - 1
+            sync = nullcontext() if last or not self.dist.enabled else self.module.no_sync()  # type: ignore[operator]
+            with sync:
+                res = self.batch_loss(batch, "train", denom)
+                (res.loss * self.dist.world_size).backward()
+            sums.add(res, batch.eval_mask, self.weights, float(denom))
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return sums, float(grad_norm)
+
+    # ---- evaluation --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, Any] | None:
+        """Held-out metrics with all (up to eval_num_anchors) anchors per sample; ranks split the samples."""
+        if self.val_data is None or len(self.val_data) == 0:
+            return None
+        cfg = self.cfg
+        n = len(self.val_data) if cfg.eval_max_samples is None else min(cfg.eval_max_samples, len(self.val_data))
+        mine = list(range(self.dist.rank, n, self.dist.world_size))
+        sums = MetricSums(self.K)
+        was = self.module.training
+        self.module.eval()
+        for i in range(0, len(mine), self.micro):
+            ids = mine[i : i + self.micro]
+            batch = make_block_batch(
+                self.val_data, ids, ids, cfg.eval_num_anchors, self.K, cfg.mask_token_id, cfg.seed, None
+            )
+            denom = self._weight_sum(batch)
+            res = self.batch_loss(batch, "validation", denom, self.block_forward)
+            sums.add(res, batch.eval_mask, self.weights, float(denom))
+        self.module.train(was)
+        sums.values = self.dist.all_sum(sums.values)
+        return sums.summary(self.weights)
+
+    # ---- state -------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.drafter.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "max_steps": self.max_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.drafter.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+        self.max_steps = int(state["max_steps"])
+
+
+# --------------------------------------------------------------------------------------------------------
+# checkpoints and the run loop
+# --------------------------------------------------------------------------------------------------------
+
+
+def checkpoint_path(out_dir: str | Path) -> Path:
+    return Path(out_dir) / CHECKPOINT_DIR / CHECKPOINT_FILE
+
+
+def _atomic_torch_save(obj: Any, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@dataclass
+class RunLog:
+    elapsed_s: float = 0.0
+    train: list[dict[str, Any]] = field(default_factory=list)
+    eval: list[dict[str, Any]] = field(default_factory=list)
+
+
+def save_checkpoint(path: Path, trainer: DraftTrainer, log: RunLog) -> None:
+    blob = {
+        "version": CHECKPOINT_VERSION,
+        "train_config": trainer.cfg.to_dict(),
+        "draft_config": trainer.draft_cfg.to_dict(),
+        "trainer": trainer.state_dict(),
+        "run": asdict(log),
+    }
+    _atomic_torch_save(blob, path)
+
+
+def load_checkpoint(path: Path, cfg: DraftTrainConfig) -> dict[str, Any]:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no checkpoint to resume from; run without --resume to start fresh")
+    blob = torch.load(path, map_location="cpu", weights_only=True)
+    if blob.get("version") != CHECKPOINT_VERSION:
+        raise ValueError(f"{path}: checkpoint version {blob.get('version')} != {CHECKPOINT_VERSION}")
+    saved = DraftTrainConfig.from_dict(blob["train_config"])
+    diffs = [
+        f"{k}: checkpoint {getattr(saved, k)!r} vs now {getattr(cfg, k)!r}"
+        for k in SHAPE_FIELDS
+        if getattr(saved, k) != getattr(cfg, k)
+    ]
+    if diffs:
+        raise ValueError(
+            f"{path}: the checkpoint was trained with different settings ({'; '.join(diffs)}); resume with the "
+            "same settings or start a new --out-dir"
+        )
+    return blob
+
+
+@dataclass(frozen=True)
+class DraftTrainResult:
+    steps: int
+    max_steps: int
+    stopped_by: str  # "max_steps" | "time_budget" | "halt"
+    wall_clock_s: float
+    sequences_per_s: float
+    final_train: dict[str, Any] | None
+    final_eval: dict[str, Any] | None
+    num_trainable_params: int
+    checkpoint: str
+    export_dir: str | None
+
+
+def load_datasets(data_dir: str | Path) -> tuple[DraftDataset, DraftDataset | None]:
+    d = Path(data_dir)
+    train = DraftDataset.load(d / TRAIN_FILE)
+    val = DraftDataset.load(d / VALIDATION_FILE) if (d / VALIDATION_FILE).is_file() else None
+    return train, val
+
+
+@contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n or max(1, min(2, os.cpu_count() or 1)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def train_draft(
+    cfg: DraftTrainConfig,
+    resume: bool = False,
+    target: nn.Module | None = None,
+    train_data: DraftDataset | None = None,
+    val_data: DraftDataset | None = None,
+) -> DraftTrainResult:
+    """Train (or resume) a drafter as configured. Loads the target/data from cfg unless given.
+
+    Raises FileExistsError when out_dir already holds a checkpoint and ``resume`` is False."""
+    dist_info = init_distributed()
+    threads = cfg.num_threads
+    if threads is None and dist_info.world_size > 1:
+        threads = max(1, (os.cpu_count() or 1) // dist_info.world_size)
+    with _threads(threads):
+        return _run(cfg, resume, target, train_data, val_data, dist_info)
+
+
+def _run(cfg, resume, target, train_data, val_data, dist_info: Dist) -> DraftTrainResult:
+    from dspark.models.loading import load_target, save_drafter
+
+    out_dir = Path(cfg.out_dir)
+    ckpt = checkpoint_path(out_dir)
+    if not resume and ckpt.exists():
+        raise FileExistsError(f"{ckpt} exists; pass --resume to continue it, or choose a new --out-dir")
+    if target is None:
+        target = load_target(cfg.target_dir, "float32")
+    if train_data is None:
+        train_data, val_data = load_datasets(cfg.data_dir)
+    trainer = DraftTrainer(cfg, target, train_data, val_data, dist_info)
+    log = RunLog()
+    if resume:
+        blob = load_checkpoint(ckpt, cfg)
+        trainer.load_state_dict(blob["trainer"])
+        log = RunLog(**blob["run"])
+    master = dist_info.rank == 0
+    n_params = sum(p.numel() for p in trainer.drafter.parameters() if p.requires_grad)
+
+    def say(msg: str) -> None:
+        if cfg.progress and master:
+            print(msg, file=sys.stderr, flush=True)
+
+    kind = "DFlash" if cfg.dflash else "DSpark"
+    say(
+        f"train-draft: {kind} drafter, {n_params / 1e6:.2f}M trainable params, "
+        f"{trainer.draft_cfg.num_hidden_layers} layers, taps {list(trainer.draft_cfg.target_layer_ids)}, "
+        f"{len(train_data)} train samples, {cfg.features} features, world {dist_info.world_size}, "
+        f"batch {cfg.batch_size} = {dist_info.world_size}×{trainer.micro}×{trainer.accum}, "
+        f"{'resuming at step ' + str(trainer.step) if resume else 'fresh start'} of {trainer.max_steps}"
+    )
+    t_start = time.perf_counter()
+    elapsed_before = log.elapsed_s
+
+    def elapsed() -> float:
+        return elapsed_before + time.perf_counter() - t_start
+
+    window = MetricSums(trainer.K)
+    last_train: dict[str, Any] | None = None
+    stopped_by = "max_steps"
+    session_steps = 0
+    session_train_s = 0.0
+    while trainer.step < trainer.max_steps:
+        out_of_time = cfg.max_minutes is not None and elapsed() >= cfg.max_minutes * 60.0
+        if dist_info.all_sum(torch.tensor([float(out_of_time)]))[0] > 0:  # every rank stops at the same step
+            stopped_by = "time_budget"
+            break
+        if cfg.halt_at_step is not None and trainer.step >= cfg.halt_at_step:
+            stopped_by = "halt"
+            break
+        t0 = time.perf_counter()
+        sums, grad_norm = trainer.train_step()
+        session_train_s += time.perf_counter() - t0
+        session_steps += 1
+        window.values += sums.values
+        step = trainer.step
+        if step % cfg.log_interval == 0 or step == trainer.max_steps:
+            window.values = dist_info.all_sum(window.values)
+            last_train = {"step": step, "lr": lr_at(step - 1, cfg, trainer.max_steps), "grad_norm": round(grad_norm, 4)}
+            last_train |= window.summary(trainer.weights)
+            log.train.append(last_train)
+            window = MetricSums(trainer.K)
+            say(
+                f"step {step}/{trainer.max_steps}: loss {last_train['loss']:.4f} ce {last_train['ce']:.3f} "
+                f"l1 {last_train['l1']:.3f} conf {last_train['confidence']:.3f} "
+                f"tau {last_train['tau_probabilistic']:.3f} acc@1 {last_train['accept_rate'][0]:.3f} "
+                f"gn {grad_norm:.2f} ({session_train_s / session_steps:.2f}s/step)"
+            )
+        if step % cfg.eval_interval == 0 and step < trainer.max_steps:
+            ev = trainer.evaluate()
+            if ev is not None:
+                log.eval.append({"step": step} | ev)
+                say(f"step {step}: eval tau {ev['tau_probabilistic']:.3f} accept_rate {ev['accept_rate']}")
+        if step % cfg.ckpt_interval == 0 and master:
+            log.elapsed_s = elapsed()
+            save_checkpoint(ckpt, trainer, log)
+    final_eval = None
+    if stopped_by != "halt":
+        final_eval = trainer.evaluate()
+        if final_eval is not None:
+            log.eval.append({"step": trainer.step} | final_eval)
+            say(f"final eval (step {trainer.step}): {json.dumps(final_eval)}")
+    log.elapsed_s = elapsed()
+    export_dir = None
+    if master:
+        save_checkpoint(ckpt, trainer, log)
+        if stopped_by != "halt":
+            export = out_dir / EXPORT_DIR
+            save_drafter(trainer.drafter, export, dtype=cfg.export_dtype)
+            (export / TRAINING_LOG).write_text(
+                json.dumps(
+                    {
+                        "steps": trainer.step,
+                        "max_steps": trainer.max_steps,
+                        "stopped_by": stopped_by,
+                        "wall_clock_s": round(log.elapsed_s, 1),
+                        "num_trainable_params": n_params,
+                        "final_eval": final_eval,
+                        "train": log.train,
+                        "eval": log.eval,
+                        "train_config": cfg.to_dict(),
+                    },
+                    indent=2,
+                )
+                + "\n"
+            )
+            export_dir = str(export)
+            say(f"train-draft: exported {kind} drafter to {export_dir}")
+    if dist_info.enabled:
+        dist.barrier()
+    seqs = session_steps * cfg.batch_size
+    return DraftTrainResult(
+        steps=trainer.step,
+        max_steps=trainer.max_steps,
+        stopped_by=stopped_by,
+        wall_clock_s=round(log.elapsed_s, 1),
+        sequences_per_s=round(seqs / session_train_s, 3) if session_train_s else 0.0,
+        final_train=last_train,
+        final_eval=final_eval,
+        num_trainable_params=n_params,
+        checkpoint=str(ckpt),
+        export_dir=export_dir,
+    )
+

@@ -1,0 +1,106 @@
+"""Any HF causal LM as target: a tiny Qwen3 with a DeepSpec-format Qwen3DSpark drafter."""
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from dspark.config import DraftConfig, EngineConfig, SpeculativeConfig
+from dspark.engine.engine import Engine
+from dspark.llm import LLM, build_engines
+from dspark.models.drafter import DSparkDrafter
+from dspark.models.hf_target import HFTarget
+from dspark.models.loading import save_drafter
+from dspark.models.tiny import randomize_
+from dspark.sampling_params import SamplingParams
+
+
+def tiny_qwen3(tmp_path):
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=80,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+    )
+    model = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    model.save_pretrained(tmp_path / "qwen3")
+    draft_cfg = DraftConfig.from_dict(
+        {
+            "architectures": ["Qwen3DSparkModel"],
+            "model_type": "qwen3",
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 8,
+            "vocab_size": 80,
+            "rope_theta": 1000000.0,
+            "num_target_layers": 4,
+            "block_size": 7,
+            "target_layer_ids": [0, 2],
+            "mask_token_id": 3,
+            "markov_rank": 8,
+            "enable_confidence_head": True,
+            "torch_dtype": "float32",
+        }
+    )
+    drafter = DSparkDrafter(draft_cfg)
+    randomize_(drafter, 4)
+    save_drafter(drafter, tmp_path / "draft", dtype="float32")
+    return tmp_path / "qwen3", tmp_path / "draft"
+
+
+def test_taps_are_layer_outputs(tmp_path):
+    target_dir, _ = tiny_qwen3(tmp_path)
+    target = HFTarget.load(target_dir)
+    ids = [[0, 5, 6, 7, 8]]
+    logits, taps = target.forward_rows(ids, [2], (0, 2), last_only=False)
+    with torch.no_grad():
+        ref = target.model(torch.tensor(ids), output_hidden_states=True)
+    torch.testing.assert_close(logits[0], ref.logits[0, 2:].float())
+    torch.testing.assert_close(taps[0, :, :32], ref.hidden_states[1][0, 2:])
+    torch.testing.assert_close(taps[0, :, 32:], ref.hidden_states[3][0, 2:])
+
+
+@pytest.mark.parametrize("method", ["dspark", "dflash", "ngram"])
+def test_hf_target_speculative_greedy_equals_target_only(tmp_path, method):
+    target_dir, draft_dir = tiny_qwen3(tmp_path)
+    spec = {"method": method, "model": str(draft_dir), "num_speculative_tokens": 4}
+    spec_eng, ar_eng = build_engines(target_dir, [spec, None], dtype="float32", max_num_seqs=4)
+    prompts = [[0, 5, 6, 7], [0, 9, 10, 11, 12, 13, 9, 10], [0, 20]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref = [o.token_ids for o in LLM.from_engine(ar_eng).generate(prompts, params)]
+    got = [o.token_ids for o in LLM.from_engine(spec_eng).generate(prompts, params)]
+    assert got == ref
+    with torch.no_grad():
+        hf = target_dir and HFTarget.load(target_dir).model.generate(
+            torch.tensor([prompts[0]]), max_new_tokens=12, do_sample=False
+        )
+    assert hf[0, 4:].tolist() == ref[0]
+    if method != "ngram":
+        assert spec_eng.metrics.spec.num_drafts > 0
+
+
+def test_engine_rejects_mismatched_latent_width():
+    from dataclasses import replace
+
+    from dspark.models.tiny import build_tiny_pair, tiny_draft_config, tiny_target_config
+
+    tcfg = tiny_target_config()
+    target, _ = build_tiny_pair(0)
+    drafter = DSparkDrafter(replace(tiny_draft_config(tcfg), kv_lora_rank=8))
+    drafter.attach(target.embed_tokens, target.lm_head)
+    with pytest.raises(ValueError, match="one page format"):
+        Engine(target, drafter, SpeculativeConfig(method="dspark"), EngineConfig(dtype="float32"))
+    with pytest.raises(ValueError, match="needs a drafter"):
+        Engine(target, None, SpeculativeConfig(method="dspark"), EngineConfig(dtype="float32"))
