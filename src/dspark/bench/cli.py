@@ -41,6 +41,13 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    # sleeping (not spinning) OpenMP threads: on a shared small machine spinning threads stall each other
+    # (takes effect only if torch is not imported yet)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if args.num_threads is not None:
+        import torch
+
+        torch.set_num_threads(args.num_threads)
     from dspark.bench.datasets import HELDOUT
     from dspark.bench.speed import BenchConfig, markdown_table, run_bench
 
@@ -115,6 +122,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--context-source", default=None, help="corpus-format JSONL of code used as padding")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens per prompt")
     p.add_argument("--no-warmup", action="store_true", help="skip the one short warm-up call per method")
     p.add_argument("--vllm-python", default=None, help="python of an environment with vLLM: adds vllm, vllm-ngram")

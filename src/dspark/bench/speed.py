@@ -332,9 +332,9 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
 
     prompts = read_bench_prompts(cfg.dataset, cfg.num_prompts, getattr(tok, "apply_chat_template", None))
     dataset = Path(cfg.dataset).name
-    base = tuple(encode(p.text) for p in prompts)
-    cells = [Cell(dataset, t, c, base) for t in cfg.temperatures for c in cfg.concurrency]
     max_len = min(tcfg.max_position_embeddings, 32768)
+    base = _fit_context(tuple(encode(p.text) for p in prompts), max_len - cfg.max_tokens - k - 1, notes)
+    cells = [Cell(dataset, t, c, base) for t in cfg.temperatures for c in cfg.concurrency]
     depth_cells: list[Cell] = []
     if cfg.context_depths:
         sources = read_sources(cfg.context_source) if cfg.context_source else read_sources()
@@ -343,7 +343,8 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
             if depth + cfg.max_tokens + k + 1 > max_len:
                 notes.append(f"context depth {depth}: skipped (+ max_tokens exceeds the model's {max_len} positions)")
                 continue
-            padded = tuple(encode(t) for t in pad_prompts(few, depth - 1, lambda s: len(tok.encode(s)), sources))
+            texts = pad_prompts(few, depth - 1, lambda s: len(tok.encode(s)), sources)  # -1: room for BOS
+            padded = tuple(encode(t)[-depth:] for t in texts)
             for t in cfg.temperatures:
                 depth_cells.append(Cell(f"{dataset}@ctx{depth}", t, min(cfg.concurrency), padded, True))
 
@@ -392,6 +393,16 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
         "interleaving": "round-robin over batches, start method rotated per batch",
     }
     return BenchReport(config, rows, notes)
+
+
+def _fit_context(prompts: tuple[tuple[int, ...], ...], budget: int, notes: list[str]) -> tuple[tuple[int, ...], ...]:
+    """Keep each prompt's last ``budget`` tokens (the code nearest the continuation), noting how many were cut."""
+    if budget < 1:
+        raise ConfigError(f"bench: --max-tokens leaves no room for a prompt in the model's context ({budget} tokens)")
+    cut = sum(len(p) > budget for p in prompts)
+    if cut:
+        notes.append(f"{cut} prompt(s) longer than {budget} tokens were cut to their last {budget} tokens")
+    return tuple(p[-budget:] for p in prompts)
 
 
 def _baseline_methods(

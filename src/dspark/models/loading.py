@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -31,10 +32,35 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def target_roster(cfg: TargetConfig) -> dict[str, TensorSpec]:
-    """Expected HF tensor names and shapes for a DeepSeek-V3 config, built on the meta device."""
+    """Expected HF tensor names and shapes for a DeepSeek-V3 config, built on the meta device.
+
+    Layers of one kind (dense / MoE) have identical rosters, so one of each is built and its names are repeated
+    for every layer index: a 61-layer Kimi-K2 roster (~70k tensors) takes about a second.
+    """
+    kinds = sorted({cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)})
+    sample = {kind: next(i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i) == kind) for kind in kinds}
+    small = replace(cfg, num_hidden_layers=max(sample.values()) + 1)
     with torch.device("meta"):
-        model = MLATarget(cfg)
-    return module_roster(model)
+        model = MLATarget(small)
+    full = module_roster(model)
+    out: dict[str, TensorSpec] = {}
+    per_layer = {kind: {} for kind in kinds}
+    for name, spec in full.items():
+        if name.startswith("model.layers."):
+            idx, rest = name[len("model.layers.") :].split(".", 1)
+            for kind, i in sample.items():
+                if int(idx) == i:
+                    per_layer[kind][rest] = spec
+        else:
+            out[name] = spec
+    layers = {
+        f"model.layers.{i}.{rest}": spec
+        for i in range(cfg.num_hidden_layers)
+        for rest, spec in per_layer[cfg.is_moe_layer(i)].items()
+    }
+    head = {k: v for k, v in out.items() if k.startswith("model.embed")}
+    tail = {k: v for k, v in out.items() if not k.startswith("model.embed")}
+    return head | layers | tail
 
 
 def load_target(path: str | Path, dtype: str | torch.dtype = "float32") -> MLATarget:
