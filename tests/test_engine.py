@@ -203,3 +203,13 @@ def test_statistical_test_has_power(monkeypatch):
         verify, "residual_sample", lambda p, q, w, u: original(p, torch.zeros_like(q), torch.ones_like(w), u)
     )
     test_sampled_output_matches_target_distribution("standard", "probabilistic", biased=True)
+
+
+def test_cache_report_bytes_per_token():
+    target, drafter = build_tiny_pair(0)
+    eng = Engine(target, drafter, SpeculativeConfig(method="dspark"), FP32)
+    rep = eng.cache_report()
+    width = target.config.kv_lora_rank + target.config.qk_rope_head_dim  # one latent row per token per layer
+    assert rep["latent_width"] == width
+    assert rep["target_bytes_per_token"] == target.num_layers * width * 4
+    assert rep["draft_bytes_per_token"] == len(drafter.layers) * width * 4

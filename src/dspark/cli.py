@@ -240,6 +240,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if speedup is not None:
         line += f"  speed-up vs no speculation: {speedup:.2f}x"
     print(line, file=sys.stderr)
+    c = engines[0].cache_report()
+    print(
+        f"latent cache: {c['latent_width']}-wide pages of {c['page_size']} tokens; bytes/token: target "
+        f"{c['target_bytes_per_token']}, draft {c['draft_bytes_per_token']}",
+        file=sys.stderr,
+    )
     return 0
 
 

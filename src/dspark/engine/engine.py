@@ -117,6 +117,19 @@ class Engine:
         self._updated: list[Request] = []
 
     # ---- request API ---------------------------------------------------------------------------------
+    def cache_report(self) -> dict[str, int]:
+        """Bytes per token of the unified latent pool: target MLA layers and drafter layers share the page."""
+        n_target = self.runner.draft_layer_offset
+        n_draft = self.pool.num_layers - n_target
+        return {
+            "latent_width": self.pool.width,
+            "page_size": self.pool.page_size,
+            "num_pages": self.pool.num_pages,
+            "target_bytes_per_token": self.pool.bytes_per_token(n_target),
+            "draft_bytes_per_token": self.pool.bytes_per_token(n_draft),
+            "pool_bytes": self.pool.pool.numel() * self.pool.pool.element_size(),
+        }
+
     @property
     def num_pages_free(self) -> int:
         return self.blocks.allocator.num_free()
