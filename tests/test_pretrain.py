@@ -156,3 +156,14 @@ def test_cli_tiny_run(data_dir, tmp_path, capsys):
     assert result["steps"] == 6 and result["stopped_by"] == "max_steps"
     assert (out / "export" / "model.safetensors").is_file() and checkpoint_path(out).is_file()
     assert main(["train-target", "--data-dir", str(data_dir), "--out-dir", str(out), "--tiny"]) == 1
+
+
+def test_time_budget_derives_and_records_a_horizon(data_dir, tmp_path):
+    cfg = tiny(data_dir, tmp_path / "t", max_steps=None, max_minutes=0.04, horizon_interval=3, ckpt_interval=50)
+    result = train_target(cfg)
+    assert result.stopped_by in ("max_steps", "time_budget") and result.export_dir is not None
+    log = json.loads((tmp_path / "t" / "export" / "training_log.json").read_text())
+    assert log["horizons"] and log["horizons"][0][0] == cfg.probe_steps
+    assert all(h > cfg.warmup_steps and h > s for s, h in log["horizons"])
+    blob = torch.load(checkpoint_path(tmp_path / "t"), weights_only=True)
+    assert blob["run"]["max_steps"] == log["horizons"][-1][1] == result.max_steps

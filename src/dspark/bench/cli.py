@@ -73,7 +73,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         progress=not args.quiet,
     )
     report = run_bench(cfg)
-    print(markdown_table(report.results))
+    print(markdown_table(report.results), flush=True)
     for note in report.notes:
         print(f"note: {note}", file=sys.stderr)
     data = report.to_json()

@@ -98,7 +98,9 @@ def _depth(ax: Any, rows: list[Mapping[str, Any]]) -> None:
     ax.set_xlabel("prompt length (tokens)")
     ax.set_ylabel("τ (mean acceptance length)")
     if series:
+        depths = sorted({context_depth(r["dataset"]) for r in deep})
         ax.set_xscale("log", base=2)
+        ax.set_xticks(depths, [str(d) for d in depths])
         ax.legend(fontsize=7)
     else:
         ax.text(0.5, 0.5, "run with --context-depths 1024,4096,16384", ha="center", transform=ax.transAxes)

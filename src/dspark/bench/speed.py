@@ -236,9 +236,8 @@ class Resolved:
 
 
 def resolve_dirs(cfg: BenchConfig) -> Resolved:
-    from dspark.llm import BUNDLED_DFLASH, BUNDLED_DRAFT, bundled_available
+    from dspark.llm import BUNDLED_DFLASH, BUNDLED_DRAFT, BUNDLED_TARGET, bundled_available
 
-    demo = False
     if cfg.model is None and not bundled_available():
         import tempfile
 
@@ -251,14 +250,15 @@ def resolve_dirs(cfg: BenchConfig) -> Resolved:
             "(numbers are not meaningful); pass --model/--draft",
             stacklevel=2,
         )
-        demo = True
+        demo, bundled = True, False
     else:
         from dspark.llm import resolve_model
 
-        target_dir = resolve_model(cfg.model)
-        draft_dir = Path(cfg.draft) if cfg.draft else (BUNDLED_DRAFT if cfg.model is None else None)
+        target_dir, demo = resolve_model(cfg.model), False
+        bundled = target_dir.resolve() == BUNDLED_TARGET.resolve()
+        draft_dir = Path(cfg.draft) if cfg.draft else (BUNDLED_DRAFT if bundled else None)
     dflash_dir = Path(cfg.dflash_draft) if cfg.dflash_draft else None
-    if dflash_dir is None and cfg.model is None and (BUNDLED_DFLASH / "config.json").exists():
+    if dflash_dir is None and not demo and bundled and (BUNDLED_DFLASH / "config.json").exists():
         dflash_dir = BUNDLED_DFLASH
     head_off = dflash_dir is None and draft_dir is not None
     return Resolved(target_dir, draft_dir, dflash_dir or draft_dir, head_off, demo)
@@ -272,7 +272,9 @@ def _default_methods(cfg: BenchConfig, res: Resolved, notes: list[str]) -> list[
         methods += ["dspark", "dflash"]
     methods += ["ngram", *HF_METHODS]
     if res.draft_dir is not None:
-        if _calibration_file(res) is not None:
+        if not DraftConfig.load(res.draft_dir).enable_confidence_head:
+            notes.append(f"dspark-adaptive: skipped ({res.draft_dir} has no confidence head)")
+        elif _calibration_file(res) is not None:
             methods.append("dspark-adaptive")
         else:
             notes.append("dspark-adaptive: skipped (no sts_calibration.json next to the draft; run `dspark calibrate`)")
@@ -324,27 +326,37 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
     tok = load_tokenizer(res.target_dir, tcfg.vocab_size, tcfg.eos_token_ids)
     block = DraftConfig.load(res.draft_dir).block_size if res.draft_dir is not None else None
     k = cfg.num_speculative_tokens or min(SpeculativeConfig().num_speculative_tokens, block or 32)
+    max_len = min(tcfg.max_position_embeddings, 32768)
+    budget = max_len - cfg.max_tokens - k - 1  # prompt tokens that leave room for the output and one draft block
+    if budget < 2:
+        raise ConfigError(f"bench: --max-tokens {cfg.max_tokens} leaves no room for a prompt in {max_len} positions")
 
-    def encode(text: str) -> tuple[int, ...]:
-        ids = tok.encode(text)
-        bos = tcfg.bos_token_id
-        return tuple([bos, *ids] if bos is not None and (not ids or ids[0] != bos) else ids)
+    def encode(text: str, limit: int = budget) -> tuple[int, ...]:
+        """Token ids as the engine builds them (BOS first), keeping the last tokens if longer than limit."""
+        ids, bos = tok.encode(text), tcfg.bos_token_id
+        if bos is not None and ids and ids[0] == bos:
+            ids = ids[1:]
+        head = [bos] if bos is not None else []
+        keep = limit - len(head)
+        return tuple(head + ids[-keep:]) if len(ids) > keep else tuple(head + ids)
 
     prompts = read_bench_prompts(cfg.dataset, cfg.num_prompts, getattr(tok, "apply_chat_template", None))
     dataset = Path(cfg.dataset).name
-    max_len = min(tcfg.max_position_embeddings, 32768)
-    base = _fit_context(tuple(encode(p.text) for p in prompts), max_len - cfg.max_tokens - k - 1, notes)
+    base = tuple(encode(p.text) for p in prompts)
+    cut = sum(len(encode(p.text, 10**9)) > budget for p in prompts)
+    if cut:
+        notes.append(f"{cut} prompt(s) longer than {budget} tokens were cut to their last {budget} tokens")
     cells = [Cell(dataset, t, c, base) for t in cfg.temperatures for c in cfg.concurrency]
     depth_cells: list[Cell] = []
     if cfg.context_depths:
         sources = read_sources(cfg.context_source) if cfg.context_source else read_sources()
         few = prompts[: cfg.context_prompts]
         for depth in cfg.context_depths:
-            if depth + cfg.max_tokens + k + 1 > max_len:
-                notes.append(f"context depth {depth}: skipped (+ max_tokens exceeds the model's {max_len} positions)")
+            if depth > budget:
+                notes.append(f"context depth {depth}: skipped (with --max-tokens it exceeds {max_len} positions)")
                 continue
             texts = pad_prompts(few, depth - 1, lambda s: len(tok.encode(s)), sources)  # -1: room for BOS
-            padded = tuple(encode(t)[-depth:] for t in texts)
+            padded = tuple(encode(t, depth) for t in texts)
             for t in cfg.temperatures:
                 depth_cells.append(Cell(f"{dataset}@ctx{depth}", t, min(cfg.concurrency), padded, True))
 
@@ -366,7 +378,7 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
         max_model_len=max_len,
     )
     methods: list[Method] = [EngineMethod(method_label(n, res), e) for n, e in zip(engine_names, engines)]
-    methods += _baseline_methods(names, cfg, res, k, tcfg, notes)
+    methods += _baseline_methods(names, cfg, res, k, tcfg, max_len, notes)
     try:
         rows = _run_cells(methods, cells, depth_cells, cfg, notes)
     finally:
@@ -395,18 +407,8 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
     return BenchReport(config, rows, notes)
 
 
-def _fit_context(prompts: tuple[tuple[int, ...], ...], budget: int, notes: list[str]) -> tuple[tuple[int, ...], ...]:
-    """Keep each prompt's last ``budget`` tokens (the code nearest the continuation), noting how many were cut."""
-    if budget < 1:
-        raise ConfigError(f"bench: --max-tokens leaves no room for a prompt in the model's context ({budget} tokens)")
-    cut = sum(len(p) > budget for p in prompts)
-    if cut:
-        notes.append(f"{cut} prompt(s) longer than {budget} tokens were cut to their last {budget} tokens")
-    return tuple(p[-budget:] for p in prompts)
-
-
 def _baseline_methods(
-    names: list[str], cfg: BenchConfig, res: Resolved, k: int, tcfg: TargetConfig, notes: list[str]
+    names: list[str], cfg: BenchConfig, res: Resolved, k: int, tcfg: TargetConfig, max_len: int, notes: list[str]
 ) -> list[Method]:
     from dspark.bench.baselines import HFGenerate, VLLMMethod
 
@@ -426,9 +428,8 @@ def _baseline_methods(
             notes.append(f"{n}: skipped (pass --vllm-python PYTHON with vLLM installed)")
             continue
         spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
-        out.append(
-            VLLMMethod(n, cfg.vllm_python, res.target_dir, spec if n == "vllm-ngram" else None, cfg.dtype, cfg.seed)
-        )
+        vspec = spec if n == "vllm-ngram" else None
+        out.append(VLLMMethod(n, cfg.vllm_python, res.target_dir, vspec, cfg.dtype, cfg.seed, max_model_len=max_len))
     return out
 
 

@@ -358,6 +358,13 @@ def load_adaptive(spec: SpeculativeConfig, draft_dir: Path | None, target_dir: P
     """
     sts = _adaptive_file("calibration_path", spec.calibration_path, "sts_calibration.json", (draft_dir, target_dir))
     cost = _adaptive_file("cost_table_path", spec.cost_table_path, "sps_profile.json", (target_dir, draft_dir))
+    temperatures = load_sts(sts) if sts is not None else None
+    sps = SpsTable.load(cost) if cost is not None else default_cost_model()
+    if temperatures is not None and len(temperatures) < spec.num_speculative_tokens:
+        raise ConfigError(
+            f"{sts}: {len(temperatures)} STS temperatures but num_speculative_tokens = "
+            f"{spec.num_speculative_tokens}; rerun `dspark calibrate` with this speculative config"
+        )
     if sts is None or cost is None:
         warnings.warn(
             "adaptive verification: "
@@ -365,14 +372,4 @@ def load_adaptive(spec: SpeculativeConfig, draft_dir: Path | None, target_dir: P
             + ("no cost table (run `dspark profile`); using the default cost model." if cost is None else ""),
             stacklevel=2,
         )
-    temperatures = load_sts(sts) if sts is not None else None
-    if temperatures is not None and len(temperatures) < spec.num_speculative_tokens:
-        raise ConfigError(
-            f"{sts}: {len(temperatures)} STS temperatures but num_speculative_tokens = "
-            f"{spec.num_speculative_tokens}; rerun `dspark calibrate` with this speculative config"
-        )
-    return AdaptivePolicy(
-        temperatures=temperatures,
-        sps=SpsTable.load(cost) if cost is not None else default_cost_model(),
-        min_len=spec.min_verify_len,
-    )
+    return AdaptivePolicy(temperatures=temperatures, sps=sps, min_len=spec.min_verify_len)

@@ -98,14 +98,15 @@ class MLAttention(nn.Module):
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
         """Same contract as attend_naive, computed in latent space (MQA with one 576-wide KV head)."""
+        B, T, H, _ = q_nope.shape
         C = self.cfg.kv_lora_rank
         w_uk, w_uv = self._w_uk_uv()
-        q_lat = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)  # [B, T, H, C]
-        q = torch.cat((q_lat, q_pe), -1).transpose(1, 2)  # [B, H, T, C+R]
-        k = kv[:, None]  # [B, 1, S, C+R]
-        o_lat = F.scaled_dot_product_attention(
-            q, k, k[..., :C], attn_mask=mask[:, None], scale=self.scale, enable_gqa=True
-        )  # [B, H, T, C]
+        q_lat = torch.einsum("bthd,hdc->bhtc", q_nope, w_uk)  # [B, H, T, C]
+        q = torch.cat((q_lat, q_pe.transpose(1, 2)), -1).reshape(B, H * T, -1)  # heads share one KV head
+        scores = (q @ kv.transpose(1, 2)).float() * self.scale  # [B, H·T, S]
+        scores = scores.view(B, H, T, -1).masked_fill(~mask[:, None], float("-inf"))
+        probs = scores.softmax(-1).to(kv.dtype).view(B, H * T, -1)
+        o_lat = (probs @ kv[..., :C]).view(B, H, T, C)
         out = torch.einsum("bhtc,hdc->bthd", o_lat, w_uv)  # [B, T, H, Dv]
         return out.flatten(2)
 

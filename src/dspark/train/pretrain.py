@@ -10,9 +10,12 @@ clipping, the DeepSeek aux-loss-free router-bias nudge, validation perplexity, a
 (``out_dir/checkpoint/last.pt``) that resume bit-exactly, and a final export (``out_dir/export``: config.json,
 model.safetensors, tokenizer files, training_log.json).
 
-When ``max_steps`` is None the cosine horizon is fixed from ``max_minutes`` after ``probe_steps`` timed steps
-(still inside the warmup, so the schedule seen so far does not depend on it) and stored in the checkpoint.
-``max_minutes`` also stops training (checkpoint + export) when the wall clock runs out.
+When ``max_steps`` is None the cosine horizon comes from ``max_minutes``: first after ``probe_steps`` timed
+steps (still inside the warmup, so the schedule already run does not depend on it), then re-estimated every
+``horizon_interval`` steps from the recent step time, so the decay ends on time on a machine whose speed
+changes. The horizon is part of the checkpoint, so a resume continues the same schedule. ``max_minutes``
+also stops training (checkpoint + export) when the wall clock runs out. With ``max_steps`` set the
+schedule is fixed and a resumed run is bit-identical to an uninterrupted one.
 
 Usage: ``dspark train-target --data-dir runs/data/bpe8k --out-dir runs/target --max-minutes 55 [--resume]``.
 """
@@ -71,6 +74,7 @@ class PretrainConfig:
     max_steps: int | None = None  # None: derived from max_minutes after probe_steps
     max_minutes: float | None = 55.0  # wall-clock budget for the whole run (across resumes)
     probe_steps: int = 12
+    horizon_interval: int = 50  # re-estimate a time-derived horizon every N steps (median of the last N)
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -116,6 +120,7 @@ class PretrainConfig:
             "eval_interval",
             "ckpt_interval",
             "log_interval",
+            "horizon_interval",
         ):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
@@ -495,6 +500,7 @@ class _RunState:
     train_loss: list[tuple[int, float]] = field(default_factory=list)
     val: list[dict[str, float]] = field(default_factory=list)
     router_imbalance: list[tuple[int, float]] = field(default_factory=list)
+    horizons: list[tuple[int, int]] = field(default_factory=list)  # (step, max_steps) decisions
 
 
 def save_checkpoint(
@@ -596,12 +602,15 @@ def train_step(model: MLATarget, batch: torch.Tensor, cfg: PretrainConfig) -> tu
     return loss.detach(), grad_norm
 
 
-def _derive_max_steps(cfg: PretrainConfig, state: _RunState, step_s: float, eval_s: float) -> int:
-    """Steps that fit the remaining budget, with eval/checkpoint time amortised and a 5% margin."""
+def _derive_max_steps(
+    cfg: PretrainConfig, step: int, elapsed_s: float, step_s: float, eval_s: float, ckpt_s: float
+) -> int:
+    """Steps that fit the remaining budget: eval/checkpoint time amortised, the final eval + checkpoint +
+    export reserved, and a 3% margin."""
     assert cfg.max_minutes is not None
-    remaining = cfg.max_minutes * 60.0 - state.elapsed_s
-    per_step = step_s + eval_s / cfg.eval_interval
-    return max(cfg.warmup_steps + 1, state.step + int(0.95 * remaining / per_step))
+    remaining = cfg.max_minutes * 60.0 - elapsed_s - (eval_s + 2 * ckpt_s)
+    per_step = step_s + eval_s / cfg.eval_interval + ckpt_s / cfg.ckpt_interval
+    return max(cfg.warmup_steps + 1, step + 1, step + int(0.97 * max(0.0, remaining) / per_step))
 
 
 def _write_training_log(path: Path, cfg: PretrainConfig, model: MLATarget, state: _RunState, extra: dict) -> None:
@@ -618,6 +627,7 @@ def _write_training_log(path: Path, cfg: PretrainConfig, model: MLATarget, state
         "train_loss": [[s, round(v, 5)] for s, v in state.train_loss],
         "val": state.val,
         "router_imbalance": [[s, round(v, 4)] for s, v in state.router_imbalance],
+        "horizons": [list(x) for x in state.horizons],
         "pretrain_config": cfg.to_dict(),
         "target_config": model.config.to_hf_dict(),
     } | extra
@@ -684,6 +694,7 @@ def _train(cfg: PretrainConfig, resume: bool) -> TrainResult:
             train_loss=[tuple(x) for x in run["train_loss"]],
             val=list(run["val"]),
             router_imbalance=[tuple(x) for x in run["router_imbalance"]],
+            horizons=[tuple(x) for x in run.get("horizons", [])],
         )
     router = RouterLoad(model)
     total_params, active_params = count_params(model)
@@ -726,6 +737,7 @@ def _train(cfg: PretrainConfig, resume: bool) -> TrainResult:
     losses: list[float] = []
     window: list[float] = []
     step_times: list[float] = []
+    ckpt_s = 0.0
     stopped_by = "max_steps"
     session_train_s, session_tokens = 0.0, 0
     while True:
@@ -760,13 +772,20 @@ def _train(cfg: PretrainConfig, resume: bool) -> TrainResult:
             state.train_loss.append((state.step, float(np.mean(window))))
             state.router_imbalance.append((state.step, imbalance))
             window = []
-        # fix the cosine horizon from measured speed (inside the warmup, so nothing run so far depends on it)
+        # time-derived cosine horizon: first inside the warmup (nothing run so far depends on it), then
+        # re-estimated from the recent speed; it is saved with the checkpoint, so a resume follows it
         step_times.append(dt)
-        if state.max_steps is None and (len(step_times) >= cfg.probe_steps or state.step >= cfg.warmup_steps):
-            step_s = float(np.median(step_times[1:] or step_times))
-            state.max_steps = _derive_max_steps(cfg, state, step_s, eval_s)
+        first = state.max_steps is None and (len(step_times) >= cfg.probe_steps or state.step >= cfg.warmup_steps)
+        later = state.max_steps is not None and state.step % cfg.horizon_interval == 0
+        if cfg.max_steps is None and (first or (later and len(step_times) >= cfg.probe_steps)):
+            recent = step_times[-cfg.horizon_interval :]
+            step_s = float(np.median(recent[1:] if first else recent))
+            old = state.max_steps
+            state.max_steps = _derive_max_steps(cfg, state.step, elapsed(), step_s, eval_s, ckpt_s)
+            state.horizons.append((state.step, state.max_steps))
             bar.total = state.max_steps
-            say(f"step {state.step}: {step_s:.3f} s/step -> cosine horizon max_steps={state.max_steps}")
+            if old is None or abs(state.max_steps - old) > 0.02 * old:
+                say(f"step {state.step}: {step_s:.3f} s/step -> cosine horizon max_steps={state.max_steps}")
         bar.update(1)
         bar.set_postfix(
             loss=f"{loss_f:.3f}",
@@ -778,8 +797,10 @@ def _train(cfg: PretrainConfig, resume: bool) -> TrainResult:
         if state.step % cfg.eval_interval == 0:
             eval_s = run_eval()
         if state.step % cfg.ckpt_interval == 0:
+            t_ckpt = time.perf_counter()
             state.elapsed_s = elapsed()
             save_checkpoint(ckpt, cfg, model, opt, loader, state)
+            ckpt_s = time.perf_counter() - t_ckpt
     bar.close()
     if window:
         state.train_loss.append((state.step, float(np.mean(window))))

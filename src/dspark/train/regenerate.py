@@ -67,7 +67,7 @@ class DraftDataset:
             ids.append(np.asarray(x, dtype=np.int32))
             masks.append(np.asarray(m, dtype=np.uint8))
             offsets.append(offsets[-1] + len(x))
-        cat = (lambda a, dt: np.concatenate(a) if a else np.zeros(0, dt))  # noqa: E731
+        cat = lambda a, dt: np.concatenate(a) if a else np.zeros(0, dt)  # noqa: E731
         return cls(cat(ids, np.int32), cat(masks, np.uint8), np.asarray(offsets, dtype=np.int64), meta)
 
     def __len__(self) -> int:

@@ -900,4 +900,3 @@ def _run(cfg, resume, target, train_data, val_data, dist_info: Dist) -> DraftTra
         checkpoint=str(ckpt),
         export_dir=export_dir,
     )
-

@@ -1,0 +1,307 @@
+"""dspark bench: schema of the JSON, numbers from the engine's counters, τ = K+1 with a perfect drafter, held-out
+prompts, context padding, and the vLLM worker protocol (with a fake vllm module)."""
+
+import json
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+from dspark.bench.acceptance import SpecCounters
+from dspark.bench.datasets import (
+    HELDOUT,
+    HELDOUT_SOURCES,
+    BenchPrompt,
+    build_heldout,
+    pad_to_depth,
+    read_sources,
+)
+from dspark.bench.speed import RESULT_KEYS, Cell, EngineMethod, measure_cell
+from dspark.config import EngineConfig, SpeculativeConfig
+from dspark.engine.engine import Engine
+from dspark.engine.metrics import SpecDecodingMetrics
+from dspark.llm import LLM
+from dspark.models.tiny import build_tiny_pair, write_tiny_pair
+from dspark.sampling_params import SamplingParams
+from dspark.spec.propose import Proposal
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # tiny models: one thread avoids OpenMP contention on the shared 2-core machine
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---- counters ----
+
+
+def test_spec_counters_delta_and_rates_match_hand_computation():
+    m = SpecDecodingMetrics()
+    m.record(3, 1)
+    before = SpecCounters.of(m)
+    records = [(4, 4), (2, 0), (0, 0), (4, 2)]  # (verify length L, accepted n)
+    for L, n in records:
+        m.record(L, n)
+    d = SpecCounters.of(m) - before
+    assert d.num_drafts == 4 and d.num_accepted_tokens == 6 and d.num_draft_tokens == 10
+    assert d.acceptance_length == pytest.approx(1 + 6 / 4)
+    assert d.per_position_acceptance == pytest.approx([2 / 4, 2 / 4, 1 / 4, 1 / 4])
+    assert d.verify_rate == pytest.approx(sum(n + 1 for _, n in records) / sum(L + 1 for L, _ in records))
+    assert (before + d) == SpecCounters.of(m)
+    assert SpecCounters().acceptance_length is None and SpecCounters().verify_rate is None
+
+
+# ---- perfect drafter ----
+
+
+FP32 = EngineConfig(dtype="float32", max_num_seqs=4)
+
+
+def _prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [tuple([0, *torch.randint(4, 96, (int(L),), generator=g).tolist()]) for L in (5, 9, 13, 7)[:n]]
+
+
+def _perfect(engine, reference):
+    """Drafts = the target's own greedy continuation, looked up in a separate target-only run of the prompt."""
+    K = engine.K
+
+    def propose(reqs, sampling, probabilistic, use_markov, topk):
+        tokens = torch.zeros(len(reqs), K, dtype=torch.long)
+        for i, r in enumerate(reqs):
+            full = list(r.prompt_ids) + reference[tuple(r.prompt_ids)]
+            nxt = full[r.num_computed + 1 : r.num_computed + 1 + K]
+            tokens[i, : len(nxt)] = torch.tensor(nxt, dtype=torch.long)
+        return Proposal(tokens, torch.full((len(reqs),), K, dtype=torch.long), None, None)
+
+    engine.runner.propose_draft = propose
+    return engine
+
+
+def _perfect_setup(K, max_tokens, prompts):
+    target, drafter = build_tiny_pair(0)
+    ar = Engine(target, None, None, FP32)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = LLM.from_engine(Engine(target, None, None, FP32)).generate([list(p) for p in prompts], params)
+    reference = {p: o.token_ids for p, o in zip(prompts, outs)}
+    spec = SpeculativeConfig(
+        method="dspark", num_speculative_tokens=K, draft_sample_method="greedy", rejection_sample_method="standard"
+    )
+    perfect = _perfect(Engine(target, drafter, spec, FP32), reference)
+    return ar, perfect, params
+
+
+@pytest.mark.parametrize("K,concurrency", [(3, 2), (5, 1)])
+def test_perfect_drafter_gives_tau_k_plus_one(K, concurrency):
+    prompts = _prompts(4 if concurrency == 2 else 2)
+    max_tokens = 1 + 3 * (K + 1)  # first token from prefill, then three full rounds of K+1
+    ar, perfect, params = _perfect_setup(K, max_tokens, prompts)
+    rows = measure_cell(
+        [EngineMethod("ar", ar), EngineMethod("perfect", perfect)],
+        Cell("synthetic", 0.0, concurrency, tuple(prompts)),
+        params,
+    )
+    by = {r.name: r for r in rows}
+    assert by["perfect"].acceptance_length == K + 1
+    assert by["perfect"].per_position_acceptance == [1.0] * K
+    assert by["perfect"].verify_rate == 1.0
+    assert by["perfect"].output_tokens == by["ar"].output_tokens == len(prompts) * max_tokens
+    assert by["ar"].speedup_vs_ar == 1.0 and by["ar"].acceptance_length is None and by["ar"].verify_rate is None
+
+
+def test_rows_are_computed_from_engine_counter_deltas():
+    """The counters are deliberately skewed (one accepted token is dropped from every record): the row must report
+    the counters' τ, not the K+1 that the generated tokens would suggest."""
+    K, max_tokens = 3, 9
+    prompts = _prompts(3, seed=1)
+    ar, perfect, params = _perfect_setup(K, max_tokens, prompts)
+    true_record = perfect.metrics.spec.record
+    perfect.metrics.spec.record = lambda L, n: true_record(L, max(n - 1, 0))
+    perfect.metrics.generation_tokens += 1000  # earlier work must not leak into the row (deltas only)
+    before = SpecCounters.of(perfect.metrics.spec)
+    gen0 = perfect.metrics.generation_tokens
+    rows = measure_cell(
+        [EngineMethod("perfect", perfect), EngineMethod("ar", ar)],
+        Cell("synthetic", 0.0, 2, tuple(prompts)),
+        params,
+    )
+    by = {r.name: r for r in rows}
+    delta = SpecCounters.of(perfect.metrics.spec) - before
+    row = by["perfect"]
+    assert row.acceptance_length == delta.acceptance_length == K  # 1 + (K - 1) per draft, not K + 1
+    assert row.per_position_acceptance == delta.per_position_acceptance
+    assert row.verify_rate == delta.verify_rate
+    assert row.output_tokens == perfect.metrics.generation_tokens - gen0 == len(prompts) * max_tokens
+    assert row.tokens_per_s == row.output_tokens / row.wall_s
+    assert row.speedup_vs_ar == row.tokens_per_s / by["ar"].tokens_per_s
+
+
+# ---- the CLI end to end ----
+
+
+def _check_row_types(row):
+    assert tuple(row) == RESULT_KEYS
+    assert isinstance(row["name"], str) and isinstance(row["dataset"], str)
+    assert type(row["temperature"]) is float
+    for k in ("concurrency", "num_prompts", "output_tokens"):
+        assert type(row[k]) is int, k
+    for k in ("wall_s", "tokens_per_s", "speedup_vs_ar"):
+        assert type(row[k]) is float, k
+    for k in ("acceptance_length", "verify_rate"):
+        assert row[k] is None or type(row[k]) is float, k
+    pos = row["per_position_acceptance"]
+    assert pos is None or (isinstance(pos, list) and all(type(p) is float for p in pos))
+
+
+def test_bench_cli_end_to_end_writes_schema_json_and_png(tmp_path, capsys):
+    from dspark.cli import main
+    from dspark.spec.schedule import save_sts
+
+    target_dir, draft_dir = write_tiny_pair(tmp_path / "pair")
+    save_sts(draft_dir / "sts_calibration.json", [1.0] * 7)  # enables dspark-adaptive
+    data = tmp_path / "prompts.jsonl"
+    long = "class A:\n" + "    x = 1\n" * 60  # 609 bytes: longer than the tiny target's 512 positions allow
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("def f(x):\n", long)))
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    argv = ["bench", "--dataset", str(data), "--model", str(target_dir), "--draft", str(draft_dir)]
+    argv += ["--num-prompts", "2", "--max-tokens", "5", "--temperature", "0,1", "--concurrency", "1,2"]
+    argv += ["--context-depths", "40,80", "--context-prompts", "2", "--num-speculative-tokens", "3"]
+    argv += ["--dtype", "float32", "--ignore-eos", "--quiet", "--output", str(out), "--plot", str(png)]
+    with warnings.catch_warnings():  # load_adaptive warns: no cost table next to the pair
+        warnings.simplefilter("ignore")
+        assert main(argv) == 0
+    stdout = capsys.readouterr().out
+    assert "| method |" in stdout and "| dspark |" in stdout
+
+    report = json.loads(out.read_text())
+    assert set(report) == {"config", "results"}
+    assert isinstance(report["config"], dict)
+    assert any("1 prompt(s) longer than 503 tokens" in n for n in report["config"]["notes"])
+    rows = report["results"]
+    for row in rows:
+        _check_row_types(row)
+        assert row["output_tokens"] == row["num_prompts"] * 5  # --ignore-eos: every method emits max_tokens
+    names = {r["name"] for r in rows}
+    expected = {"ar", "dspark", "dflash (head off)", "ngram", "hf-generate", "hf-prompt-lookup", "dspark-adaptive"}
+    assert names == expected
+    for r in rows:
+        if r["name"] == "ar":
+            assert r["speedup_vs_ar"] == 1.0
+        spec = r["name"] in {"dspark", "dflash (head off)", "ngram", "dspark-adaptive"}
+        assert (r["acceptance_length"] is not None) == spec, r["name"]
+        assert (r["verify_rate"] is not None) == spec
+    cells = {(r["dataset"], r["temperature"], r["concurrency"]) for r in rows}
+    assert ("prompts.jsonl", 1.0, 2) in cells
+    assert {("prompts.jsonl@ctx40", t, 1) for t in (0.0, 1.0)} <= cells
+    assert not any(r["name"].startswith("hf-") for r in rows if "@ctx" in r["dataset"])
+    assert not any(r["name"] == "hf-prompt-lookup" and r["concurrency"] == 2 for r in rows)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- held-out prompts and context padding ----
+
+
+def test_committed_heldout_prompts_are_real_function_heads_from_the_sources():
+    rows = [json.loads(line) for line in HELDOUT.read_text().splitlines()]
+    sources = read_sources(HELDOUT_SOURCES)
+    assert len(rows) == 64
+    for r in rows:
+        lines = r["prompt"].splitlines(keepends=True)
+        assert 10 <= len(lines) <= 30
+        assert lines[0].lstrip().startswith(("def ", "class ", "async def "))
+        src = sources[r["path"]].splitlines(keepends=True)
+        assert src[r["line"] - 1 : r["line"] - 1 + len(lines)] == lines
+        assert len(src) >= r["line"] - 1 + len(lines) + 4  # a held-out continuation follows
+
+
+def test_build_heldout_is_deterministic(tmp_path):
+    body = "".join(f"    y = x + {i}\n" for i in range(20))
+    files = [
+        {"path": f"stdlib/m{j}.py", "text": f"import os\n\n\ndef f{j}(x):\n{body}    return y\n\n\nclass C{j}:\n{body}"}
+        for j in range(3)
+    ]
+    files.append({"path": "stdlib/encodings/cp0.py", "text": f"def table(x):\n{body}"})
+    corpus = tmp_path / "test.jsonl"
+    corpus.write_text("".join(json.dumps(f) + "\n" for f in files))
+    a = build_heldout(corpus, tmp_path / "a", num_prompts=5)
+    b = build_heldout(corpus, tmp_path / "b", num_prompts=5)
+    assert a.prompts_path.read_bytes() == b.prompts_path.read_bytes()
+    rows = [json.loads(line) for line in a.prompts_path.read_text().splitlines()]
+    assert len(rows) == 5 and not any("encodings" in r["path"] for r in rows)
+    assert all(10 <= r["prompt"].count("\n") <= 30 for r in rows)
+
+
+def test_pad_to_depth_prepends_real_preceding_code_only():
+    sources = {
+        "a.py": "".join(f"a{i} = {i}\n" for i in range(200)),
+        "b.py": "".join(f"b{i} = {i}\n" for i in range(50)) + "def g():\n    return SECRET\n",
+    }
+    prompt = BenchPrompt("def g():\n", "b.py", 51)
+    for depth in (30, 200, 900):
+        text = pad_to_depth(prompt, depth, len, sources)
+        assert text.endswith(prompt.text) and "SECRET" not in text
+        assert depth - 10 <= len(text) <= depth  # whole lines of at most 10 characters
+        assert text[: -len(prompt.text)].endswith("b49 = 49\n")  # its own file's preceding lines come last
+    everything = pad_to_depth(prompt, 10**6, len, sources)
+    assert everything.startswith("a0 = 0\n")
+    assert pad_to_depth(BenchPrompt("x" * 50), 20, len, sources) == "x" * 50
+
+
+# ---- vLLM worker protocol ----
+
+FAKE_VLLM = """
+from types import SimpleNamespace as NS
+
+class SamplingParams:
+    def __init__(self, **kw):
+        self.kw = kw
+
+class LLM:
+    def __init__(self, **kw):
+        self.spec = kw.get("speculative_config")
+        self.drafts = 0
+
+    def generate(self, prompts, sp, use_tqdm=False):
+        self.drafts += len(prompts)
+        n = sp.kw["max_tokens"]
+        return [NS(outputs=[NS(token_ids=list(range(n)))]) for _ in prompts]
+
+    def get_metrics(self):
+        if not self.spec:
+            return []
+        return [
+            NS(name="vllm:spec_decode_num_drafts", value=self.drafts),
+            NS(name="vllm:spec_decode_num_draft_tokens", value=4 * self.drafts),
+            NS(name="vllm:spec_decode_num_accepted_tokens", value=2 * self.drafts),
+            NS(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=[self.drafts, self.drafts, 0, 0]),
+        ]
+"""
+
+
+def test_vllm_worker_protocol_with_a_fake_vllm(tmp_path):
+    from dspark.bench.baselines import VLLMMethod
+
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(textwrap.dedent(FAKE_VLLM))
+    env = {"PYTHONPATH": str(tmp_path)}
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    m = VLLMMethod("vllm-ngram", sys.executable, tmp_path, spec, "float32", env=env)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=6)
+        first = m.run([[0, 5, 6], [0, 7]], params)
+        second = m.run([[0, 5]], params)
+    finally:
+        m.close()
+    assert first.output_tokens == 12 and second.output_tokens == 6
+    assert second.counters == SpecCounters(1, 4, 2, (1, 1, 0, 0), 5, 0)  # a delta, not the running total
+    assert second.counters.acceptance_length == 3.0
+    plain = VLLMMethod("vllm", sys.executable, tmp_path, None, "float32", env=env)
+    try:
+        assert plain.run([[0, 5]], params).counters is None
+    finally:
+        plain.close()
