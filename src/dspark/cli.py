@@ -335,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_check(sub)
     add_roster(sub)
     add_train_target(sub)
-    for name, module in MODULES.items():
+    for module in MODULES.values():
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:
