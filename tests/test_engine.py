@@ -213,3 +213,29 @@ def test_cache_report_bytes_per_token():
     assert rep["latent_width"] == width
     assert rep["target_bytes_per_token"] == target.num_layers * width * 4
     assert rep["draft_bytes_per_token"] == len(drafter.layers) * width * 4
+
+
+def test_spec_decoding_log_line():
+    from dspark.engine.metrics import SpecDecodingMetrics
+
+    m = SpecDecodingMetrics()
+    m.record(3, 2)
+    m.record(3, 0)
+    line = m.log_line()
+    assert line.startswith("SpecDecoding metrics: Mean acceptance length: 2.00")
+    assert "Per-position acceptance rate: 0.500, 0.500, 0.000" in line
+
+
+def test_verify_lossless_cli(tmp_path, capsys):
+    import json
+
+    from dspark.cli import main
+    from dspark.models.tiny import write_tiny_pair
+
+    target_dir, draft_dir = write_tiny_pair(tmp_path)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in [{"prompt": "def f(x):"}, {"turns": ["hello"]}, {"prompt": "ab"}]))
+    spec = json.dumps({"method": "dspark", "model": str(draft_dir), "num_speculative_tokens": 3})
+    argv = ["verify-lossless", "--dataset", str(data), "--model", str(target_dir), "--speculative-config", spec]
+    assert main([*argv, "--max-tokens", "12"]) == 0
+    assert "3/3 prompts identical" in capsys.readouterr().out
