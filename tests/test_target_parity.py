@@ -6,8 +6,8 @@ from safetensors.torch import load_file
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from dspark.config import TargetConfig
-from dspark.models.rope import RotaryEmbedding
 from dspark.models.loading import load_target
+from dspark.models.rope import RotaryEmbedding
 
 YARN = {
     "rope_type": "yarn",
