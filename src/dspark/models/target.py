@@ -58,7 +58,7 @@ class MoEGate(nn.Module):
             choice = choice.masked_fill(~keep.repeat_interleave(grouped.shape[-1], dim=1), float("-inf"))
         idx = choice.topk(cfg.num_experts_per_tok, dim=-1).indices
         weights = scores.gather(1, idx)
-        if cfg.norm_topk_prob and cfg.num_experts_per_tok > 1:
+        if cfg.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return idx, weights * cfg.routed_scaling_factor
 
