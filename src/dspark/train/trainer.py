@@ -166,6 +166,8 @@ class DraftTrainConfig:
     epochs: float | None = None  # sets max_steps from the dataset size when max_steps is None
     max_minutes: float | None = None  # wall-clock stop (checkpoint + export) across resumes
     autocast_bf16: bool = True
+    absorbed: bool = True  # absorbed MLA (latent-space attention) for the drafter and online target features
+    loss_chunk_elements: int = 1 << 28  # logits per loss chunk (larger: more memory, no recompute in backward)
     seed: int = 42
     num_threads: int | None = None
     # bookkeeping
@@ -369,9 +371,10 @@ def make_block_batch(
 class BlockForward(nn.Module):
     """The drafter's training forward over packed blocks (the module DDP wraps)."""
 
-    def __init__(self, drafter: DSparkDrafter) -> None:
+    def __init__(self, drafter: DSparkDrafter, absorbed: bool = True) -> None:
         super().__init__()
         self.drafter = drafter
+        self.absorbed = absorbed
 
     def forward(
         self,
@@ -393,7 +396,7 @@ class BlockForward(nn.Module):
             block_visibility(S, anchors, keep, K),
             ctx_taps=taps,
             ctx_positions=ctx_positions,
-            absorbed=False,
+            absorbed=self.absorbed,
         )
         assert out.base_logits is not None
         logits = out.base_logits.view(B, A, K, -1)
@@ -515,13 +518,13 @@ class DraftTrainer:
         self.draft_cfg = self.drafter.config
         self.K = cfg.block_size
         self.weights = cfg.loss_weights
-        self.block_forward = BlockForward(self.drafter)
+        self.block_forward = BlockForward(self.drafter, cfg.absorbed)
         self.module: nn.Module = self.block_forward
         if self.dist.enabled:
             self.module = nn.parallel.DistributedDataParallel(self.block_forward, broadcast_buffers=False)
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, weight_decay=cfg.weight_decay, foreach=True
+            params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, weight_decay=cfg.weight_decay, fused=True
         )
         world = self.dist.world_size
         micro = cfg.micro_batch_size or max(1, cfg.batch_size // world)
@@ -555,6 +558,7 @@ class DraftTrainer:
             self.draft_cfg.target_layer_ids,
             self.cfg.feature_dtype,
             self.cfg.autocast_bf16,
+            self.cfg.absorbed,
         )
 
     def target_logits(self, batch: BlockBatch, hidden: torch.Tensor) -> torch.Tensor:
@@ -573,7 +577,14 @@ class DraftTrainer:
         with _autocast(self.cfg.autocast_bf16):
             logits, conf = (module or self.module)(batch.block_ids, batch.anchors, batch.keep, batch.labels, feats.taps)
         return dspark_loss(
-            logits, target_logits, conf, batch.labels, batch.eval_mask, self.weights, denominator=denominator
+            logits,
+            target_logits,
+            conf,
+            batch.labels,
+            batch.eval_mask,
+            self.weights,
+            denominator=denominator,
+            max_chunk_elements=self.cfg.loss_chunk_elements,
         )
 
     def _weight_sum(self, batch: BlockBatch) -> torch.Tensor:
