@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from dspark.engine.metrics import SpecDecodingMetrics
 from dspark.sampling_params import SamplingParams
 
 
@@ -13,31 +14,6 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass
-class SpecStats:
-    """Per-request speculative counters (vLLM semantics)."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
-    verify_lengths: list[int] = field(default_factory=list)
-
-    def record(self, verify_len: int, accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += verify_len
-        self.num_accepted_tokens += accepted
-        self.verify_lengths.append(verify_len)
-        if len(self.accepted_per_pos) < verify_len:
-            self.accepted_per_pos.extend([0] * (verify_len - len(self.accepted_per_pos)))
-        for i in range(accepted):
-            self.accepted_per_pos[i] += 1
-
-    @property
-    def acceptance_length(self) -> float | None:
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
 
 @dataclass
@@ -52,7 +28,7 @@ class Request:
     num_computed: int = 0  # tokens whose target latents are in the cache (positions 0..num_computed-1)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    spec: SpecStats = field(default_factory=SpecStats)
+    spec: SpecDecodingMetrics = field(default_factory=SpecDecodingMetrics)  # this request's counters
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
