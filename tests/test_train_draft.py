@@ -342,3 +342,47 @@ def test_regenerated_responses_are_the_targets_and_masked(tmp_path: Path) -> Non
     for i, (p, r) in enumerate(zip(prompts, responses)):
         x, m = ds[i]
         assert x.tolist() == p + r and m.tolist() == [False] * len(p) + [True] * len(r)
+
+
+def test_timed_run_derives_its_horizon_and_exports(target, tmp_path: Path) -> None:
+    cfg = tiny_cfg(max_steps=None, max_minutes=0.02, probe_steps=2, warmup_steps=3, out_dir=str(tmp_path / "t"))
+    assert cfg.time_mode
+    res = train_draft(cfg, target=target, train_data=tiny_dataset(4))
+    assert res.max_steps is not None and res.max_steps >= 4 and res.export_dir is not None
+    assert res.stopped_by in ("max_steps", "time_budget")
+    with pytest.raises(ValueError, match="probe_steps"):
+        tiny_cfg(max_steps=None, max_minutes=1.0, probe_steps=5, warmup_steps=3)
+
+
+def test_cli_pipeline_draft_data_features_and_training(tmp_path: Path) -> None:
+    from dspark.cli import main
+
+    target_dir, _ = write_tiny_pair(tmp_path / "pair", seed=0)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    doc = "".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(40))
+    for split in ("train", "validation"):
+        line = json.dumps({"path": f"{split}.py", "text": doc})
+        (corpus / f"{split}.jsonl").write_text(line + "\n")
+    data = tmp_path / "data"
+    common = ["--target", str(target_dir)]
+    assert (
+        main(
+            ["draft-data", *common, "--corpus-dir", str(corpus), "--out-dir", str(data), "--num-prompts", "6"]
+            + ["--num-val-prompts", "2", "--max-new-tokens", "12", "--dtype", "float32", "--quiet"]
+        )
+        == 0
+    )
+    train = DraftDataset.load(data / "train.npz")
+    manifest = json.loads((data / "manifest.json").read_text())
+    assert len(train) == manifest["train_samples"] and 1 <= len(train) <= 6  # short responses are dropped
+    assert 0 < train.num_loss_tokens <= 6 * 12
+    assert main(["prepare-features", *common, "--data-dir", str(data), "--quiet"]) == 0
+    train_args = ["train-draft", *common, "--data-dir", str(data), "--features", "offline", "--max-steps", "2"]
+    train_args += ["--batch-size", "2", "--num-anchors", "4", "--markov-rank", "8", "--quiet"]
+    assert main([*train_args, "--out-dir", str(tmp_path / "draft")]) == 0
+    assert main([*train_args, "--out-dir", str(tmp_path / "dflash"), "--dflash"]) == 0
+    assert main([*train_args, "--out-dir", str(tmp_path / "draft")]) == 1  # exists: needs --resume
+    for name, rank in (("draft", 8), ("dflash", 0)):
+        config = json.loads((tmp_path / name / "export" / "config.json").read_text())
+        assert config["markov_rank"] == rank and config["target_layer_ids"] == [1, 2]

@@ -6,6 +6,8 @@ Pipeline (defaults point at runs/):
     dspark train-draft      --target runs/target/export --data-dir runs/draft_data --out-dir runs/draft \\
                             --features offline --max-steps 1500 [--dflash] [--resume]
 Multi-process: ``torchrun --nproc_per_node 2 --no-python dspark train-draft ...`` (gloo on CPU).
+On a shared machine export ``OMP_WAIT_POLICY=PASSIVE`` before starting (OpenMP reads it when torch loads; spinning
+threads of two processes on the same cores slow both down many times over).
 """
 
 from __future__ import annotations
@@ -32,16 +34,10 @@ def _floats(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers like 1.0,0.7,0; got {text!r}") from e
 
 
-def _quiet_threads() -> None:
-    # OpenMP threads that sleep instead of spinning (the machine is small and shared)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
 # ---- draft-data ------------------------------------------------------------------------------------------
 
 
 def cmd_draft_data(args: argparse.Namespace) -> int:
-    _quiet_threads()
     from dspark.train.regenerate import RegenerateConfig, build_draft_dataset
 
     known = {f.name for f in fields(RegenerateConfig)}
@@ -76,7 +72,6 @@ def add_draft_data(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_prepare_features(args: argparse.Namespace) -> int:
-    _quiet_threads()
     import torch
 
     from dspark.models.loading import load_target
@@ -151,7 +146,7 @@ _TRAIN_FLAGS = {
     "--warmup-ratio": ("warmup_ratio", float, "warmup fraction of the steps (0.04)"),
     "--max-steps": ("max_steps", int, "optimizer steps"),
     "--epochs": ("epochs", float, "epochs (sets --max-steps when that is not given)"),
-    "--max-minutes": ("max_minutes", float, "wall-clock stop (checkpoint + export)"),
+    "--max-minutes": ("max_minutes", float, "wall-clock budget; alone, it also sets the steps from the measured speed"),
     "--seed": ("seed", int, "seed (42)"),
     "--eval-interval": ("eval_interval", int, "steps between held-out evaluations (200)"),
     "--eval-max-samples": ("eval_max_samples", int, "cap on held-out samples"),
@@ -163,7 +158,6 @@ _TRAIN_FLAGS = {
 
 
 def cmd_train_draft(args: argparse.Namespace) -> int:
-    _quiet_threads()
     from dspark.train.trainer import DraftTrainConfig, train_draft
 
     overrides = {fld: getattr(args, fld) for fld, _, _ in _TRAIN_FLAGS.values() if getattr(args, fld) is not None}
@@ -172,7 +166,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         overrides.setdefault("out_dir", "runs/dflash")
     if args.no_autocast:
         overrides["autocast_bf16"] = False
-    if "max_steps" not in overrides and "epochs" not in overrides:
+    if not {"max_steps", "epochs", "max_minutes"} & overrides.keys():
         overrides["epochs"] = 1.0
     cfg = DraftTrainConfig(**overrides, progress=not args.quiet)
     try:
@@ -190,7 +184,8 @@ def add_train_draft(sub: argparse._SubParsersAction) -> None:
         "train-draft",
         help="train a DSpark (or --dflash) drafter against a frozen target",
         description="Train a DSpark drafter (dspark-method.md §6). Data: `dspark draft-data`; offline features: "
-        "`dspark prepare-features`. Without --max-steps/--epochs one epoch is run.",
+        "`dspark prepare-features`. The horizon: --max-steps, else --epochs, else --max-minutes (steps derived "
+        "from the measured speed), else one epoch.",
     )
     for flag, (fld, typ, text) in _TRAIN_FLAGS.items():
         p.add_argument(flag, dest=fld, type=typ, default=None, help=text)

@@ -53,6 +53,7 @@ EXPORT_DIR = "export"
 TRAINING_LOG = "training_log.json"
 CHECKPOINT_VERSION = 1
 MASK_ID = 3  # dspark.train.tokenizer: <|mask|>
+TIME_MODE_WARMUP = 50  # warmup steps of a timed run (its horizon is unknown when the warmup starts)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -156,7 +157,7 @@ class DraftTrainConfig:
     micro_batch_size: int | None = None  # sequences per rank per forward; None: batch_size // world_size
     lr: float = 6e-4
     warmup_ratio: float = 0.04
-    warmup_steps: int | None = None  # None: warmup_ratio · max_steps
+    warmup_steps: int | None = None  # None: warmup_ratio · max_steps (TIME_MODE_WARMUP when timed)
     min_lr_ratio: float = 0.0
     weight_decay: float = 0.0
     beta1: float = 0.9
@@ -165,6 +166,7 @@ class DraftTrainConfig:
     max_steps: int | None = None
     epochs: float | None = None  # sets max_steps from the dataset size when max_steps is None
     max_minutes: float | None = None  # wall-clock stop (checkpoint + export) across resumes
+    probe_steps: int = 8  # time mode (only max_minutes given): steps timed before the horizon is fixed
     autocast_bf16: bool = True
     absorbed: bool = True  # absorbed MLA (latent-space attention) for the drafter and online target features
     loss_chunk_elements: int = 1 << 28  # logits per loss chunk (larger: more memory, no recompute in backward)
@@ -187,8 +189,25 @@ class DraftTrainConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"DraftTrainConfig.{name} = {v!r}: must be a positive integer")
-        if self.max_steps is None and self.epochs is None:
-            raise ValueError("DraftTrainConfig: set max_steps or epochs (max_minutes only stops early)")
+        if self.max_steps is None and self.epochs is None and self.max_minutes is None:
+            raise ValueError("DraftTrainConfig: set max_steps, epochs or max_minutes")
+        if self.time_mode and not 2 <= self.probe_steps < self.warmup_for(None):
+            raise ValueError(
+                f"DraftTrainConfig.probe_steps = {self.probe_steps}: must be in [2, warmup steps = "
+                f"{self.warmup_for(None)}) so the derived cosine horizon does not change the schedule already run"
+            )
+
+    @property
+    def time_mode(self) -> bool:
+        """The horizon (max_steps) is derived from max_minutes and the measured step time."""
+        return self.max_steps is None and self.epochs is None
+
+    def warmup_for(self, max_steps: int | None) -> int:
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        if self.time_mode or max_steps is None:
+            return TIME_MODE_WARMUP
+        return max(1, round(self.warmup_ratio * max_steps))
         if self.lr <= 0 or self.grad_clip <= 0:
             raise ValueError(f"DraftTrainConfig: lr ({self.lr}) and grad_clip ({self.grad_clip}) must be positive")
 
@@ -488,11 +507,14 @@ def _autocast(enabled: bool):
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
 
 
-def lr_at(step: int, cfg: DraftTrainConfig, max_steps: int) -> float:
-    """Linear warmup then cosine decay to lr·min_lr_ratio (0-based optimizer step)."""
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, round(cfg.warmup_ratio * max_steps))
+def lr_at(step: int, cfg: DraftTrainConfig, max_steps: int | None) -> float:
+    """Linear warmup then cosine decay to lr·min_lr_ratio (0-based optimizer step). max_steps is None only
+    while a timed run is still probing its speed (inside the warmup)."""
+    warmup = cfg.warmup_for(max_steps)
     if step < warmup:
         return cfg.lr * (step + 1) / warmup
+    if max_steps is None:
+        return cfg.lr
     progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
     floor = cfg.lr * cfg.min_lr_ratio
     return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
@@ -521,7 +543,7 @@ class DraftTrainer:
         self.block_forward = BlockForward(self.drafter, cfg.absorbed)
         self.module: nn.Module = self.block_forward
         if self.dist.enabled:
-            self.module = nn.parallel.DistributedDataParallel(self.block_forward, broadcast_buffers=False)
+            self.module = nn.parallel.DistributedDataParallel(self.block_forward)
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, weight_decay=cfg.weight_decay, fused=True
@@ -534,8 +556,11 @@ class DraftTrainer:
             )
         self.micro = micro
         self.accum = cfg.batch_size // (world * micro)
+        self.max_steps: int | None
         if cfg.max_steps is not None:
             self.max_steps = cfg.max_steps
+        elif cfg.time_mode:
+            self.max_steps = None  # fixed by the run loop after cfg.probe_steps timed steps
         else:
             assert cfg.epochs is not None
             self.max_steps = max(1, math.ceil(cfg.epochs * len(train_data) / cfg.batch_size))
@@ -675,7 +700,7 @@ class DraftTrainer:
         self.drafter.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
-        self.max_steps = int(state["max_steps"])
+        self.max_steps = None if state["max_steps"] is None else int(state["max_steps"])
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -741,7 +766,7 @@ def load_checkpoint(path: Path, cfg: DraftTrainConfig) -> dict[str, Any]:
 @dataclass(frozen=True)
 class DraftTrainResult:
     steps: int
-    max_steps: int
+    max_steps: int | None
     stopped_by: str  # "max_steps" | "time_budget" | "halt"
     wall_clock_s: float
     sequences_per_s: float
@@ -787,6 +812,22 @@ def train_draft(
         return _run(cfg, resume, target, train_data, val_data, dist_info)
 
 
+def _derive_max_steps(
+    cfg: DraftTrainConfig, trainer: DraftTrainer, step_times: list[float], elapsed_s: float, dist_info: Dist
+) -> int:
+    """Steps that fit the remaining time (10% margin for evaluations and checkpoints); the same on every rank."""
+    assert cfg.max_minutes is not None
+    per_step = float(np.median(step_times[1:] or step_times))
+    remaining = cfg.max_minutes * 60.0 - elapsed_s
+    steps = trainer.step + int(0.9 * remaining / per_step)
+    steps = max(cfg.warmup_for(None) + 1, steps)
+    if dist_info.enabled:  # rank 0 decides
+        t = torch.tensor([float(steps)])
+        dist.broadcast(t, src=0)
+        steps = int(t[0])
+    return steps
+
+
 def _run(cfg, resume, target, train_data, val_data, dist_info: Dist) -> DraftTrainResult:
     from dspark.models.loading import load_target, save_drafter
 
@@ -830,7 +871,8 @@ def _run(cfg, resume, target, train_data, val_data, dist_info: Dist) -> DraftTra
     stopped_by = "max_steps"
     session_steps = 0
     session_train_s = 0.0
-    while trainer.step < trainer.max_steps:
+    step_times: list[float] = []
+    while trainer.max_steps is None or trainer.step < trainer.max_steps:
         out_of_time = cfg.max_minutes is not None and elapsed() >= cfg.max_minutes * 60.0
         if dist_info.all_sum(torch.tensor([float(out_of_time)]))[0] > 0:  # every rank stops at the same step
             stopped_by = "time_budget"
@@ -840,8 +882,13 @@ def _run(cfg, resume, target, train_data, val_data, dist_info: Dist) -> DraftTra
             break
         t0 = time.perf_counter()
         sums, grad_norm = trainer.train_step()
-        session_train_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        session_train_s += dt
         session_steps += 1
+        step_times.append(dt)
+        if trainer.max_steps is None and len(step_times) >= cfg.probe_steps:
+            trainer.max_steps = _derive_max_steps(cfg, trainer, step_times, elapsed(), dist_info)
+            say(f"step {trainer.step}: {np.median(step_times[1:]):.3f} s/step -> max_steps={trainer.max_steps}")
         window.values += sums.values
         step = trainer.step
         if step % cfg.log_interval == 0 or step == trainer.max_steps:
@@ -856,7 +903,7 @@ def _run(cfg, resume, target, train_data, val_data, dist_info: Dist) -> DraftTra
                 f"tau {last_train['tau_probabilistic']:.3f} acc@1 {last_train['accept_rate'][0]:.3f} "
                 f"gn {grad_norm:.2f} ({session_train_s / session_steps:.2f}s/step)"
             )
-        if step % cfg.eval_interval == 0 and step < trainer.max_steps:
+        if step % cfg.eval_interval == 0 and (trainer.max_steps is None or step < trainer.max_steps):
             ev = trainer.evaluate()
             if ev is not None:
                 log.eval.append({"step": step} | ev)
