@@ -8,13 +8,14 @@ import torch
 from dspark.cache.latent import PagedLatentPool
 from dspark.checkpoint.roster import num_params
 from dspark.config import DraftConfig, read_json
+from dspark.llm import OFFICIAL_DRAFT_CONFIG
 from dspark.models.drafter import DSparkDrafter, block_mask
 from dspark.models.heads import MarkovHead
 from dspark.models.loading import draft_roster, load_drafter, load_target, save_drafter, save_target
 from dspark.models.tiny import build_tiny_pair, randomize_, tiny_draft_config, tiny_target_config
 from dspark.train.anchors import block_visibility
 
-OFFICIAL = "/work/shared/formats/kimi-k3-dspark.config.json"
+OFFICIAL = OFFICIAL_DRAFT_CONFIG
 K = 7
 
 

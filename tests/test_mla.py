@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from dspark.config import DraftConfig, MLAConfig, RopeConfig, read_json
+from dspark.llm import OFFICIAL_DRAFT_CONFIG
 from dspark.models.layers import causal_mask
 from dspark.models.mla import MLAttention
 from dspark.models.rope import RotaryEmbedding, yarn_correction_range
 
-OFFICIAL = "/work/shared/formats/kimi-k3-dspark.config.json"
+OFFICIAL = OFFICIAL_DRAFT_CONFIG
 
 
 def make(use_nope: bool, gate: bool, q_lora: int | None, yarn: bool) -> tuple[MLAttention, RotaryEmbedding]:

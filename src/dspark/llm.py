@@ -17,6 +17,7 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 BUNDLED_TARGET = ASSETS / "k3-mini"
 BUNDLED_DRAFT = ASSETS / "k3-mini-dspark"
 BUNDLED_DFLASH = ASSETS / "k3-mini-dflash"
+OFFICIAL_DRAFT_CONFIG = ASSETS / "formats" / "kimi-k3-dspark.config.json"  # Inferact/Kimi-K3-DSpark
 
 
 def bundled_available() -> bool:
