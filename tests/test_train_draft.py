@@ -236,8 +236,8 @@ def test_two_rank_gloo_ddp_equals_single_process(target, tmp_path: Path) -> None
     single_sums, _ = single.train_step()
     ref = _params(single.drafter)
     out = tmp_path / "rank0.pt"
-    # fork (not spawn): no re-import of torch in the children; each child sets 1 thread before any work
-    mp.start_processes(_ddp_worker, args=(2, str(tmp_path / "init"), str(out)), nprocs=2, start_method="fork")
+    # spawn, not fork: forking a parent whose OpenMP/torch threads are live can deadlock the children
+    mp.start_processes(_ddp_worker, args=(2, str(tmp_path / "init"), str(out)), nprocs=2, start_method="spawn")
     blob = torch.load(out, weights_only=True)
     got = blob["params"]
     assert got.keys() == ref.keys()

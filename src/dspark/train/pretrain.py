@@ -472,7 +472,8 @@ def checkpoint_path(out_dir: str | Path) -> Path:
     return Path(out_dir) / CHECKPOINT_DIR / CHECKPOINT_FILE
 
 
-def _atomic_torch_save(obj: Any, path: Path) -> None:
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    """torch.save to a temp file in the same directory, fsync, then rename: never a half-written checkpoint."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -523,7 +524,7 @@ def save_checkpoint(
         "torch_rng": torch.get_rng_state(),
         "run": asdict(state),
     }
-    _atomic_torch_save(blob, path)
+    atomic_torch_save(blob, path)
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:

@@ -45,10 +45,9 @@ from dspark.models.drafter import DSparkDrafter
 from dspark.train.anchors import block_inputs, block_positions, block_targets, block_visibility, sample_anchors
 from dspark.train.features import FeatureCache, Features, target_features, target_logits_at
 from dspark.train.loss import DSparkLoss, LossWeights, dspark_loss, position_weights
+from dspark.train.pretrain import atomic_torch_save, checkpoint_path
 from dspark.train.regenerate import TRAIN_FILE, VALIDATION_FILE, DraftDataset
 
-CHECKPOINT_DIR = "checkpoint"
-CHECKPOINT_FILE = "last.pt"
 EXPORT_DIR = "export"
 TRAINING_LOG = "training_log.json"
 CHECKPOINT_VERSION = 1
@@ -708,23 +707,6 @@ class DraftTrainer:
 # --------------------------------------------------------------------------------------------------------
 
 
-def checkpoint_path(out_dir: str | Path) -> Path:
-    return Path(out_dir) / CHECKPOINT_DIR / CHECKPOINT_FILE
-
-
-def _atomic_torch_save(obj: Any, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 @dataclass
 class RunLog:
     elapsed_s: float = 0.0
@@ -740,7 +722,7 @@ def save_checkpoint(path: Path, trainer: DraftTrainer, log: RunLog) -> None:
         "trainer": trainer.state_dict(),
         "run": asdict(log),
     }
-    _atomic_torch_save(blob, path)
+    atomic_torch_save(blob, path)
 
 
 def load_checkpoint(path: Path, cfg: DraftTrainConfig) -> dict[str, Any]:
