@@ -11,6 +11,22 @@ from pathlib import Path
 from dspark.config import ConfigError
 
 
+def int_list(text: str) -> tuple[int, ...]:
+    """argparse type for comma-separated integers, e.g. '1,4,16'."""
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,4,16; got {text!r}") from e
+
+
+def float_list(text: str) -> tuple[float, ...]:
+    """argparse type for comma-separated numbers, e.g. '0,1'."""
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers like 0,0.7,1; got {text!r}") from e
+
+
 def _not_yet(name: str) -> Callable[[argparse.Namespace], int]:
     def run(_: argparse.Namespace) -> int:
         print(f"dspark {name}: not yet available in this version", file=sys.stderr)

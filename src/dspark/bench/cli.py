@@ -8,23 +8,10 @@ import os
 import sys
 from pathlib import Path
 
+from dspark.cli import float_list, int_list
 from dspark.config import ConfigError
 
 METHODS_HELP = "ar,dspark,dflash,ngram,hf-generate,hf-prompt-lookup,dspark-adaptive,vllm,vllm-ngram"
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from e
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
 
 
 def _names(text: str) -> tuple[str, ...] | None:
@@ -99,11 +86,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dataset", default=None, help="JSONL prompts (default: the bundled held-out stdlib prompts)")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=_floats, default=(0.0,), help="one or more, e.g. 0,1")
+    p.add_argument("--temperature", type=float_list, default=(0.0,), help="one or more, e.g. 0,1")
     p.add_argument(
         "--baselines", type=_names, default=None, help=f"methods to run (default: all applicable) from {METHODS_HELP}"
     )
-    p.add_argument("--concurrency", type=_ints, default=(1,), help="concurrent requests per batch, e.g. 1,4,16")
+    p.add_argument("--concurrency", type=int_list, default=(1,), help="concurrent requests per batch, e.g. 1,4,16")
     p.add_argument("--output", default=None, help="write the results JSON here")
     p.add_argument("--plot", default=None, help="write a PNG (acceptance, tokens/s, τ vs depth)")
     p.add_argument("--model", default=None, help="target dir (default: the bundled k3-mini)")
@@ -114,7 +101,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="K (default 7, capped by block_size)")
     p.add_argument(
         "--context-depths",
-        type=_ints,
+        type=int_list,
         default=(),
         help="pad prompts with real code to N tokens, e.g. 1024,4096,16384 (τ vs depth; our engine's methods only)",
     )

@@ -19,20 +19,7 @@ import sys
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated layer ids like 1,4,7,10; got {text!r}") from e
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers like 1.0,0.7,0; got {text!r}") from e
-
+from dspark.cli import float_list, int_list
 
 # ---- draft-data ------------------------------------------------------------------------------------------
 
@@ -57,7 +44,7 @@ def add_draft_data(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-prompts", type=int, default=None, help="training prompts (1536)")
     p.add_argument("--num-val-prompts", type=int, default=None, help="held-out prompts (64)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="response length cap (160)")
-    p.add_argument("--temperatures", type=_floats, default=None, help="round-robin per prompt, 0 = greedy (1,0.7,0)")
+    p.add_argument("--temperatures", type=float_list, default=None, help="round-robin per prompt, 0 = greedy (1,0.7,0)")
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None, help="engine batch (32)")
     p.add_argument("--dtype", default=None, help="engine dtype (bfloat16)")
@@ -117,7 +104,7 @@ def add_prepare_features(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", dest="target_dir", default="runs/target/export", help="target model dir")
     p.add_argument("--data-dir", default="runs/draft_data", help="dir with train.npz (+ validation.npz)")
     p.add_argument("--feature-dir", default=None, help="cache root (default: DATA_DIR/features)")
-    p.add_argument("--taps", type=_ints, default=None, help="target layer ids (default: 4 spread over the depth)")
+    p.add_argument("--taps", type=int_list, default=None, help="target layer ids (default: 4 spread over the depth)")
     p.add_argument("--num-taps", type=int, default=4)
     p.add_argument("--feature-dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--no-autocast", action="store_true", help="fp32 target forward (default: bf16 autocast)")
@@ -138,7 +125,7 @@ _TRAIN_FLAGS = {
     "--num-layers": ("num_layers", int, "draft layers (2)"),
     "--markov-rank": ("markov_rank", int, "Markov head rank (96); 0 = DFlash"),
     "--markov-head-type": ("markov_head_type", str, "vanilla | gated | rnn"),
-    "--taps": ("target_layer_ids", _ints, "target layer ids, e.g. 1,4,7,10 (default: spread over the depth)"),
+    "--taps": ("target_layer_ids", int_list, "target layer ids, e.g. 1,4,7,10 (default: spread over the depth)"),
     "--num-anchors": ("num_anchors", int, "anchors per sequence (64)"),
     "--batch-size": ("batch_size", int, "global sequences per optimizer step (8)"),
     "--micro-batch-size": ("micro_batch_size", int, "sequences per rank per forward (batch/world)"),
