@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark.checkpoint.resolve import ALIASES, ModelNotFoundError, register_alias, resolve_model_ref
+from dspark.checkpoint.resolve import ModelNotFoundError, locate_model, resolve_model_ref
 from dspark.cli import main
 from dspark.llm import OFFICIAL_DRAFT_CONFIG
 
@@ -65,27 +65,27 @@ def hf_snapshot(hub: Path, repo: str, commit: str, files: dict[str, str], ref: s
 def test_local_directory_and_gguf_file_are_returned_as_given(tmp_path: Path, caches):
     d = tmp_path / "model"
     d.mkdir()
-    assert resolve_model_ref(d).path == d and resolve_model_ref(d).source == "path"
+    assert resolve_model_ref(d) == d and locate_model(d).source == "path"
     g = tmp_path / "m.gguf"
     g.write_bytes(b"GGUF")
-    ref = resolve_model_ref(str(g))
-    assert ref.path == g and ref.is_gguf
+    ref = locate_model(str(g))
+    assert ref.path == g and ref.is_gguf  # resolve_model_ref exports it (tests/test_gguf.py)
 
 
 def test_hub_id_resolves_from_the_hf_cache_via_refs_main(caches):
     hf, _ = caches
     snap = hf_snapshot(hf, "Inferact/Kimi-K3-DSpark", MAIN, {"config.json": "{}"})
-    ref = resolve_model_ref("Inferact/Kimi-K3-DSpark")
+    ref = locate_model("Inferact/Kimi-K3-DSpark")
     assert ref.source == "huggingface-cache" and ref.path == snap
-    assert (ref.path / "config.json").read_text() == "{}"
+    assert resolve_model_ref("Inferact/Kimi-K3-DSpark") == snap and (snap / "config.json").read_text() == "{}"
 
 
 def test_hub_id_at_revision_picks_that_snapshot(caches):
     hf, _ = caches
     hf_snapshot(hf, "org/name", MAIN, {"config.json": '{"v": 1}'})
     other = hf_snapshot(hf, "org/name", OTHER, {"config.json": '{"v": 2}'}, ref="v2")
-    assert resolve_model_ref(f"org/name@{OTHER}").path == other  # a commit hash
-    assert resolve_model_ref("org/name@v2").path == other  # a tag / branch under refs/
+    assert resolve_model_ref(f"org/name@{OTHER}") == other  # a commit hash
+    assert resolve_model_ref("org/name@v2") == other  # a tag / branch under refs/
     with pytest.raises(ModelNotFoundError, match="revision 'v3'"):
         resolve_model_ref("org/name@v3")
 
@@ -94,7 +94,7 @@ def test_hf_hub_cache_variable_wins(tmp_path: Path, caches, monkeypatch: pytest.
     elsewhere = tmp_path / "elsewhere"
     snap = hf_snapshot(elsewhere, "org/name", MAIN, {"config.json": "{}"})
     monkeypatch.setenv("HF_HUB_CACHE", str(elsewhere))
-    assert resolve_model_ref("org/name").path == snap
+    assert resolve_model_ref("org/name") == snap
 
 
 def test_modelscope_cache_layouts(caches):
@@ -102,12 +102,12 @@ def test_modelscope_cache_layouts(caches):
     new = ms / "models" / "Eco-Tech" / "Kimi-K3-DSpark-MLA-NPU"
     new.mkdir(parents=True)
     (new / "config.json").write_text("{}")
-    ref = resolve_model_ref("Eco-Tech/Kimi-K3-DSpark-MLA-NPU")
+    ref = locate_model("Eco-Tech/Kimi-K3-DSpark-MLA-NPU")
     assert ref.source == "modelscope-cache" and ref.path == new
     dotted = ms / "Qwen" / "Qwen2___5-0___5B"  # older layout, '.' stored as '___'
     dotted.mkdir(parents=True)
     (dotted / "config.json").write_text("{}")
-    assert resolve_model_ref("Qwen/Qwen2.5-0.5B").path == dotted
+    assert resolve_model_ref("Qwen/Qwen2.5-0.5B") == dotted
 
 
 def test_missing_hub_id_names_it_and_the_fetch_commands(caches):
@@ -123,15 +123,6 @@ def test_missing_hub_id_names_it_and_the_fetch_commands(caches):
 def test_non_hub_non_path_is_an_error(caches):
     with pytest.raises(ModelNotFoundError, match="no such file or directory"):
         resolve_model_ref("just-a-name")
-
-
-def test_alias_registry_hook(tmp_path: Path, caches, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr("dspark.checkpoint.resolve.ALIASES", dict(ALIASES))
-    target = tmp_path / "x.gguf"
-    target.write_bytes(b"GGUF")
-    register_alias("My-Alias", lambda: target)
-    ref = resolve_model_ref("my-alias")
-    assert ref.source == "alias" and ref.is_gguf
 
 
 def test_roster_and_check_accept_a_hub_id(caches, capsys: pytest.CaptureFixture[str], tmp_path: Path):

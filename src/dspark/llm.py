@@ -26,10 +26,10 @@ def bundled_available() -> bool:
 
 
 def resolve_model(model: str | Path | None) -> Path:
-    """The target's local path: a directory, a .gguf file, an alias or a hub id in the local caches
-    (dspark.checkpoint.resolve); None means the bundled k3-mini."""
+    """The local HF directory of a model reference (directory, ``.gguf`` file, alias, hub id in the local
+    HF/ModelScope cache; see dspark.checkpoint.resolve); the bundled target by default."""
     if model is not None:
-        return resolve_model_ref(model, role="model").path
+        return resolve_model_ref(model, role="model")
     if not (BUNDLED_TARGET / "config.json").exists():
         raise ConfigError(
             f"no --model given and the bundled model is missing at {BUNDLED_TARGET}; pass --model DIR "
@@ -42,7 +42,7 @@ def resolve_draft(spec: SpeculativeConfig, target_dir: Path) -> Path | None:
     if spec.method == "ngram":
         return None
     if spec.model:
-        return resolve_model_ref(spec.model, role="speculative config: model").path
+        return resolve_model_ref(spec.model, role="speculative config: model")
     if target_dir.resolve() == BUNDLED_TARGET.resolve():
         if spec.method == "dflash" and (BUNDLED_DFLASH / "config.json").exists():
             return BUNDLED_DFLASH

