@@ -122,7 +122,7 @@ def generate_batch(
     pad = model.generation_config.pad_token_id
     ids, mask = _left_pad(prompts, 0 if pad is None else int(pad))
     torch.manual_seed(seed)
-    sampling = dict(do_sample=True, temperature=temperature, top_p=cfg.top_p, top_k=0) if temperature > 0 else {}
+    sampling = dict(temperature=temperature, top_p=cfg.top_p, top_k=0) if temperature > 0 else {}
     out = model.generate(
         input_ids=ids,
         attention_mask=mask,
@@ -183,14 +183,15 @@ def build_shard(cfg: ChatDataConfig) -> dict[str, Any]:
             if split == "train" and cfg.max_minutes is not None and time.perf_counter() - t0 > cfg.max_minutes * 60:
                 say(f"chat-data shard {cfg.shard}: time budget reached after {start} train prompts")
                 break
-            k = start // cfg.batch_size * cfg.num_shards + cfg.shard
-            temp = cfg.temperatures[k % len(cfg.temperatures)]
+            b = start // cfg.batch_size
+            k = b * cfg.num_shards + cfg.shard  # global batch number (seed)
+            temp = cfg.temperatures[(b + cfg.shard) % len(cfg.temperatures)]
             got = generate_batch(model, prompts[start : start + cfg.batch_size], cfg, temp, eos, cfg.seed + k)
             samples += got
             stats["generated_tokens"] += sum(len(s.tokens) - s.num_prompt for s in got)
-            el = time.perf_counter() - t0
-            say(f"chat-data shard {cfg.shard}: {split} {start + cfg.batch_size}/{len(prompts)} prompts, "
-                f"{stats['generated_tokens']} tokens, {stats['generated_tokens'] / el:.0f} tok/s, {el:.0f}s")  # fmt: skip
+            n, el = stats["generated_tokens"], time.perf_counter() - t0
+            done = min(start + cfg.batch_size, len(prompts))
+            say(f"chat-data shard {cfg.shard}: {split} {done}/{len(prompts)} prompts, {n} tokens, {n / el:.0f} tok/s")
         stats[split] = write_split(cfg, split, file_name, samples)
     stats["wall_clock_s"] = round(time.perf_counter() - t0, 1)
     (cfg.shard_dir / MANIFEST_FILE).write_text(json.dumps(stats | {"config": _jsonable(cfg)}, indent=2) + "\n")
@@ -236,7 +237,11 @@ def merge_shards(out_dir: str | Path, num_shards: int) -> dict[str, Any]:
         merged = _concat([ds for _, ds in parts])
         merged.save(out / file_name)
         _merge_features([d / "features" / split for d, _ in parts], out / "features" / split, merged)
-        result[split] = {"samples": len(merged), "tokens": int(merged.tokens.size), "loss_tokens": merged.num_loss_tokens}
+        result[split] = {
+            "samples": len(merged),
+            "tokens": int(merged.tokens.size),
+            "loss_tokens": merged.num_loss_tokens,
+        }
     manifests = [json.loads((d / MANIFEST_FILE).read_text()) for d in shard_dirs if (d / MANIFEST_FILE).is_file()]
     result["generated_tokens"] = sum(m["generated_tokens"] for m in manifests)
     result["wall_clock_s"] = max((m["wall_clock_s"] for m in manifests), default=0.0)

@@ -27,6 +27,7 @@ import inspect
 import json
 import random
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -65,7 +66,9 @@ def _summary(doc: str) -> str | None:
     para = " ".join(doc.strip().split("\n\n")[0].split())
     m = _SENTENCE.match(para)
     text = (m.group(1) if m else para).strip()
-    if not 12 <= len(text) <= 220 or text.startswith(("(", "-", "*", ">>>")) or "->" in text or "=" in text or "(" in text.split()[0]:
+    if not 12 <= len(text) <= 220 or text.startswith(("(", "-", "*", ">>>")):
+        return None
+    if "->" in text or "=" in text or "(" in text.split()[0]:  # a signature line, not a sentence
         return None
     first = text.split()[0]
     if not first.isupper():  # keep acronyms ("HTML", "URL") as written
@@ -78,14 +81,16 @@ def _signature(fn: object) -> str:
         sig = str(inspect.signature(fn))  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return "(...)"
-    return sig if len(sig) <= 80 else "(...)"
+    return sig if len(sig) <= 80 and " at 0x" not in sig else "(...)"  # no memory addresses (not reproducible)
 
 
 def stdlib_functions() -> Iterator[tuple[str, str, str, str]]:
     """(module, function name, signature, summary) for each documented public function of CODE_MODULES."""
     for mod_name in CODE_MODULES:
         try:
-            mod = importlib.import_module(mod_name)
+            with warnings.catch_warnings():  # uu, imghdr, sndhdr are deprecated (still documented in 3.11)
+                warnings.simplefilter("ignore", DeprecationWarning)
+                mod = importlib.import_module(mod_name)
         except ImportError:
             continue
         for name, obj in sorted(vars(mod).items()):
@@ -143,8 +148,8 @@ def math_prompts(rng: random.Random, n: int) -> list[str]:
         v = dict(
             a=a, b=b, item=rng.choice(ITEMS), x=rng.randint(3, 60), y=rng.randint(2, 15), z=rng.randint(1, 12),
             p=rng.randint(2, 9), big=rng.choice((20, 50, 100, 120, 200, 500)), s=rng.choice((40, 60, 80, 100, 400)),
-            s2=rng.choice((30, 50, 70, 90)), h=rng.randint(2, 6), h2=rng.randint(1, 4), pct=rng.choice((10, 20, 25, 40, 60)),
-            r1=r1, r2=r2,
+            s2=rng.choice((30, 50, 70, 90)), h=rng.randint(2, 6), h2=rng.randint(1, 4),
+            pct=rng.choice((10, 20, 25, 40, 60)), r1=r1, r2=r2,
         )  # fmt: skip
         out.append(rng.choice(MATH_TEMPLATES).format(**v) + rng.choice(MATH_SUFFIXES))
     return out
