@@ -5,35 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
+from dspark.cli_common import default_spec, model_or_demo
 from dspark.config import ConfigError
-
-
-def int_list(text: str) -> tuple[int, ...]:
-    """argparse type for comma-separated integers, e.g. '1,4,16'."""
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,4,16; got {text!r}") from e
-
-
-def float_list(text: str) -> tuple[float, ...]:
-    """argparse type for comma-separated numbers, e.g. '0,1'."""
-    try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers like 0,0.7,1; got {text!r}") from e
-
-
-def _not_yet(name: str) -> Callable[[argparse.Namespace], int]:
-    def run(_: argparse.Namespace) -> int:
-        print(f"dspark {name}: not yet available in this version", file=sys.stderr)
-        return 2
-
-    return run
-
 
 # ---- roster ---------------------------------------------------------------------------------------------
 
@@ -161,38 +136,6 @@ def add_train_target(sub: argparse._SubParsersAction) -> None:
 # ---- generate / verify-lossless -------------------------------------------------------------------------
 
 
-def _model_or_demo(model: str | None) -> tuple[str | None, bool]:
-    """The model dir; without one and without the bundled pair, a tiny random pair built on the fly (demo)."""
-    from dspark.llm import bundled_available
-
-    if model is not None or bundled_available():
-        return model, False
-    import tempfile
-
-    from dspark.models.tiny import write_tiny_pair
-
-    d = Path(tempfile.mkdtemp(prefix="dspark-demo-"))
-    target_dir, draft_dir = write_tiny_pair(d)
-    print(
-        "[demo] the bundled model pair is not installed: using a TINY RANDOM target+drafter built on the fly "
-        f"in {d} (the text is gibberish; speed and τ are not meaningful)",
-        file=sys.stderr,
-    )
-    return str(target_dir), True
-
-
-def _default_spec(args: argparse.Namespace, demo_dir: str | None) -> str | None:
-    if getattr(args, "no_spec", False):
-        return None
-    if args.speculative_config:
-        return args.speculative_config
-    if demo_dir is not None:
-        return json.dumps({"method": "dspark", "model": str(Path(demo_dir).parent / "draft")})
-    if args.model is None:
-        return json.dumps({"method": "dspark"})
-    return None
-
-
 def _sampling(args: argparse.Namespace, max_tokens: int):
     from dspark.sampling_params import SamplingParams
 
@@ -226,8 +169,8 @@ def _replace_max_tokens(params, n: int):
 def cmd_generate(args: argparse.Namespace) -> int:
     from dspark.llm import build_engines
 
-    model, demo = _model_or_demo(args.model)
-    spec = _default_spec(args, model if demo else None)
+    model, demo = model_or_demo(args.model)
+    spec = default_spec(args, model if demo else None)
     compare = (args.compare or args.json) and spec is not None
     configs = [spec, None] if compare else [spec]
     engines = build_engines(model, configs, dtype=args.dtype, seed=args.seed or 0)
@@ -295,8 +238,8 @@ def cmd_verify_lossless(args: argparse.Namespace) -> int:
     from dspark.data import load_prompts
     from dspark.llm import LLM, build_engines
 
-    model, demo = _model_or_demo(args.model)
-    spec = _default_spec(args, model if demo else None) or json.dumps({"method": "dspark"})
+    model, demo = model_or_demo(args.model)
+    spec = default_spec(args, model if demo else None) or json.dumps({"method": "dspark"})
     spec_engine, ar_engine = build_engines(model, [spec, None], dtype=args.dtype)
     prompts = load_prompts(args.dataset, args.num_prompts, getattr(spec_engine.tokenizer, "apply_chat_template", None))
     from dspark.sampling_params import SamplingParams
@@ -335,7 +278,6 @@ def add_verify_lossless(sub: argparse._SubParsersAction) -> None:
 
 # ---- registry -------------------------------------------------------------------------------------------
 
-PLANNED = ("serve", "bench", "train-draft", "calibrate", "profile")
 # subcommands defined next to their library code: module with ``add_parser(sub)``
 MODULES = {
     "serve": "dspark.serve.cli",
@@ -357,18 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_roster(sub)
     add_train_target(sub)
     for module in MODULES.values():
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
-            continue
-        if hasattr(mod, "add_parser"):
-            mod.add_parser(sub)
-    registered = set(sub.choices)
-    for name in PLANNED:
-        if name not in registered:
-            sub.add_parser(name, help="(not yet available)").set_defaults(func=_not_yet(name))
+        importlib.import_module(module).add_parser(sub)
     return parser
 
 

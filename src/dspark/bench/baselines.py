@@ -1,7 +1,7 @@
 """Peer baselines on the same target weights: transformers ``generate`` (plain and prompt lookup) in-process, and
 vLLM (plain and n-gram) in a persistent subprocess of another Python environment (``--vllm-python``).
 
-Both speak the bench's ``Method`` protocol (see ``speed.py``): ``run(prompt token ids, SamplingParams)`` returns a
+Both speak the bench's ``Method`` protocol (see ``methods.py``): ``run(prompt token ids, SamplingParams)`` returns a
 ``Measurement``. transformers exposes no acceptance counters, so its rows carry τ = null; vLLM's come from its own
 ``vllm:spec_decode_*`` counters (``LLM.get_metrics()``), as deltas like ours.
 """
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from dspark.bench.acceptance import SpecCounters
-from dspark.bench.speed import Measurement
+from dspark.bench.methods import Measurement
 from dspark.config import TargetConfig
 from dspark.models.loading import torch_dtype
 from dspark.sampling_params import SamplingParams

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from dspark.cli import float_list, int_list
+from dspark.cli_common import float_list, int_list
 from dspark.config import ConfigError
 
 METHODS_HELP = "ar,dspark,dflash,ngram,hf-generate,hf-prompt-lookup,dspark-adaptive,vllm,vllm-ngram"

@@ -10,14 +10,15 @@ cell.
 from __future__ import annotations
 
 import math
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from dspark.bench.acceptance import SpecCounters, sum_counters
+from dspark.bench.acceptance import sum_counters
+from dspark.bench.baselines import HFGenerate, VLLMMethod
+from dspark.bench.methods import EngineMethod, Measurement, Method
 from dspark.config import ConfigError, DraftConfig, SpeculativeConfig, TargetConfig
 from dspark.sampling_params import SamplingParams
 
@@ -40,53 +41,6 @@ RESULT_KEYS = (
     "per_position_acceptance",
     "verify_rate",
 )
-
-
-# ---- measurements and methods ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Measurement:
-    output_tokens: int
-    wall_s: float
-    counters: SpecCounters | None  # None: the method has no speculative counters (AR baselines outside our engine)
-
-
-class Method(Protocol):
-    name: str
-    engine_backed: bool  # runs on our engine (eligible for context-depth cells)
-
-    def skip_reason(self, concurrency: int, temperature: float) -> str | None: ...
-    def run(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Measurement: ...
-    def close(self) -> None: ...
-
-
-class EngineMethod:
-    """One of our engines; output tokens and counters are read from ``engine.metrics`` before and after."""
-
-    engine_backed = True
-
-    def __init__(self, name: str, engine: Any) -> None:
-        self.name = name
-        self.engine = engine
-
-    def skip_reason(self, concurrency: int, temperature: float) -> str | None:
-        limit = self.engine.cfg.max_num_seqs
-        return f"concurrency {concurrency} > max_num_seqs {limit}" if concurrency > limit else None
-
-    def run(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Measurement:
-        from dspark.llm import LLM
-
-        m = self.engine.metrics
-        tokens0, spec0 = m.generation_tokens, SpecCounters.of(m.spec)
-        t0 = time.perf_counter()
-        LLM.from_engine(self.engine).generate([list(p) for p in prompts], params)
-        wall = time.perf_counter() - t0
-        counters = SpecCounters.of(m.spec) - spec0 if self.engine.spec is not None else None
-        return Measurement(m.generation_tokens - tokens0, wall, counters)
-
-    def close(self) -> None:
-        pass
 
 
 # ---- rows ---------------------------------------------------------------------------------------------------------
@@ -410,8 +364,6 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
 def _baseline_methods(
     names: list[str], cfg: BenchConfig, res: Resolved, k: int, tcfg: TargetConfig, max_len: int, notes: list[str]
 ) -> list[Method]:
-    from dspark.bench.baselines import HFGenerate, VLLMMethod
-
     out: list[Method] = []
     hf = [n for n in names if n in HF_METHODS]
     model = None

@@ -12,13 +12,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from dspark.cli import _default_spec, _model_or_demo
+    from dspark.cli_common import default_spec, model_or_demo
     from dspark.llm import build_engine
     from dspark.serve.app import create_app
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(name)s %(message)s")
-    model, demo = _model_or_demo(args.model)
-    spec = _default_spec(args, model if demo else None)
+    model, demo = model_or_demo(args.model)
+    spec = default_spec(args, model if demo else None)
     engine = build_engine(
         model,
         spec,

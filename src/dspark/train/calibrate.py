@@ -147,13 +147,13 @@ def format_report(report: list[dict]) -> str:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from dspark.cli import _default_spec, _model_or_demo
+    from dspark.cli_common import default_spec, model_or_demo
     from dspark.config import SpeculativeConfig
     from dspark.data import load_prompts
     from dspark.llm import build_engine
 
-    model, demo = _model_or_demo(args.model)
-    spec_text = _default_spec(args, model if demo else None) or json.dumps({"method": "dspark"})
+    model, demo = model_or_demo(args.model)
+    spec_text = default_spec(args, model if demo else None) or json.dumps({"method": "dspark"})
     spec = SpeculativeConfig.parse(spec_text)
     assert spec is not None
     spec = replace(spec, enable_adaptive_verification=False)  # the full block is verified

@@ -19,7 +19,7 @@ import sys
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 
-from dspark.cli import float_list, int_list
+from dspark.cli_common import float_list, int_list
 
 # ---- draft-data ------------------------------------------------------------------------------------------
 
