@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dspark.checkpoint.resolve import resolve_model_ref
 from dspark.config import CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
 from dspark.engine.engine import Engine, RequestOutput, load_adaptive
 from dspark.models.loading import load_drafter, load_target
@@ -25,8 +26,9 @@ def bundled_available() -> bool:
 
 
 def resolve_model(model: str | Path | None) -> Path:
+    """The HF directory of a model reference (directory, ``.gguf`` file, alias); the bundled target by default."""
     if model is not None:
-        return Path(model)
+        return resolve_model_ref(model)
     if not (BUNDLED_TARGET / "config.json").exists():
         raise ConfigError(
             f"no --model given and the bundled model is missing at {BUNDLED_TARGET}; pass --model DIR "
