@@ -108,23 +108,19 @@ class ModelRunner:
         topk: int | None,
     ) -> Proposal:
         assert self.drafter is not None
-        K = sampling.counters.shape[1] - 1
-        anchors = torch.tensor([r.all_ids[r.num_computed] for r in reqs], dtype=torch.long)
         starts = [r.num_computed for r in reqs]
-        blocks = [[0] * K for _ in reqs]
-        batch = self.build(reqs, starts, blocks)
-        store = self.pool.view(batch.write_slots, batch.read_slots, self.draft_layer_offset)
-        return draft_block(
-            self.drafter,
-            anchors,
-            torch.tensor(starts, dtype=torch.long),
-            batch.read_slots.shape[1],
-            store,
-            sampling,
-            probabilistic,
-            use_markov,
-            topk,
-        )
+        anchors = torch.tensor([r.all_ids[s] for r, s in zip(reqs, starts)], dtype=torch.long)
+        read = self.context_slots(reqs, starts)
+        context = self.pool.view(read[:, :0], read, self.draft_layer_offset)  # read only: no new rows
+        positions = torch.tensor(starts, dtype=torch.long)
+        return draft_block(self.drafter, anchors, positions, context, sampling, probabilistic, use_markov, topk)
+
+    def context_slots(self, reqs: Sequence[Request], ends: Sequence[int]) -> torch.Tensor:
+        """[B, max(ends)] flat slots of positions 0..end-1 per request (scratch slot after its end)."""
+        read = torch.full((len(reqs), max(ends)), self.pool.scratch_slot, dtype=torch.long)
+        for i, (req, end) in enumerate(zip(reqs, ends)):
+            read[i, :end] = self._slot_map(req, end)
+        return read
 
     @staticmethod
     def propose_ngram(reqs: Sequence[Request], k: int, min_n: int, max_n: int) -> Proposal:

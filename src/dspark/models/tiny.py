@@ -62,6 +62,7 @@ def tiny_draft_config(
     head_type: str = "vanilla",
     taps: tuple[int, ...] | None = None,
     confidence: bool = True,
+    block_size: int | None = None,
 ) -> DraftConfig:
     taps = taps or tuple(sorted({0, max(target.num_hidden_layers - 2, 0)}))
     return DraftConfig(
@@ -86,6 +87,7 @@ def tiny_draft_config(
         markov_head_type=head_type,
         enable_confidence_head=confidence,
         confidence_head_with_markov=True,
+        block_size=block_size,
         bos_token_id=0,
         eos_token_id=1,
         pad_token_id=2,
