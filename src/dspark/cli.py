@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from dspark.cli_common import default_spec, model_or_demo
-from dspark.config import ConfigError
+from dspark.config import DTYPES, ConfigError
 
 # ---- roster ---------------------------------------------------------------------------------------------
 
@@ -224,7 +224,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
 
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
@@ -275,7 +275,7 @@ def add_verify_lossless(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--model", default=None)
     p.add_argument("--speculative-config", default=None)
-    p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.set_defaults(func=cmd_verify_lossless, no_spec=False)
 
 

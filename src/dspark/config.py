@@ -760,14 +760,25 @@ class SpeculativeConfig:
 # --------------------------------------------------------------------------------------------------------
 
 
+DTYPES = ("bfloat16", "float16", "float32")  # --dtype / EngineConfig.dtype: weights, activations and KV pages
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     page_size: int = 16
     num_pages: int | None = None  # None: derived from max_num_seqs * max_model_len
-    swap_space: int = 0
+    swap_space: float | None = None  # vLLM's CPU swap (GiB): only 0/None, preempted requests are recomputed
 
     def __post_init__(self) -> None:
         _positive("cache config", page_size=self.page_size, num_pages=self.num_pages)
+        if self.swap_space not in (None, 0):
+            raise _fail(
+                "cache config",
+                "swap_space",
+                self.swap_space,
+                "swapping KV pages is not supported: this engine keeps its pages in host memory and recomputes "
+                "preempted requests; pass 0 or omit it",
+            )
 
 
 @dataclass(frozen=True)
@@ -789,5 +800,5 @@ class EngineConfig:
             max_model_len=self.max_model_len,
             max_waiting=self.max_waiting,
         )
-        if self.dtype not in ("bfloat16", "float32", "float16"):
-            raise _fail(src, "dtype", self.dtype, "use 'bfloat16' or 'float32'")
+        if self.dtype not in DTYPES:
+            raise _fail(src, "dtype", self.dtype, f"use one of {list(DTYPES)}")

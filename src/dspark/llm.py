@@ -69,10 +69,20 @@ def build_engines(
     seed: int = 0,
     max_num_batched_tokens: int = 2048,
     max_waiting: int = 256,
+    swap_space: float | None = None,
 ) -> list[Engine]:
     """One engine per speculative config, all sharing one loaded target (and drafters per directory)."""
     target_dir = resolve_model(model)
     specs = [_parse_spec(s) for s in speculative_configs]
+    ecfg = EngineConfig(
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        dtype=dtype,
+        seed=seed,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_waiting=max_waiting,
+    )
+    cache = CacheConfig(page_size=page_size, num_pages=num_pages, swap_space=swap_space)
     target = _load_any_target(target_dir, dtype)
     tok = load_tokenizer(target_dir, target.config.vocab_size, target.config.eos_token_ids)
     drafters: dict[tuple[Path, str | None], Any] = {}  # one drafter per (directory, attention backend)
@@ -88,15 +98,6 @@ def build_engines(
             drafter = drafters[key]
         _check_pair(spec, drafter, draft_dir)
         adaptive = load_adaptive(spec, draft_dir, target_dir) if spec and spec.enable_adaptive_verification else None
-        ecfg = EngineConfig(
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            dtype=dtype,
-            seed=seed,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_waiting=max_waiting,
-        )
-        cache = CacheConfig(page_size=page_size, num_pages=num_pages)
         engine = Engine(target, drafter, spec, ecfg, cache, tok, adaptive)
         engine.model_dir = target_dir  # type: ignore[attr-defined]
         engine.draft_dir = draft_dir  # type: ignore[attr-defined]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from dspark.config import ConfigError, EngineConfig
+from dspark.config import DTYPES, ConfigError, EngineConfig
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -69,6 +69,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--num-pages", type=int, default=None, help="KV cache pages (default: sized for max-num-seqs)")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--dtype", default=d.dtype, choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default=d.dtype, choices=DTYPES)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
