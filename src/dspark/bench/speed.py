@@ -340,13 +340,19 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
         keep = limit - len(head)
         return tuple(head + ids[-keep:]) if len(ids) > keep else tuple(head + ids)
 
-    prompts = read_bench_prompts(cfg.dataset, cfg.num_prompts, getattr(tok, "apply_chat_template", None))
-    dataset = Path(cfg.dataset).name
-    base = tuple(encode(p.text) for p in prompts)
-    cut = sum(len(encode(p.text, 10**9)) > budget for p in prompts)
-    if cut:
-        notes.append(f"{cut} prompt(s) longer than {budget} tokens were cut to their last {budget} tokens")
-    cells = [Cell(dataset, t, c, base) for t in cfg.temperatures for c in cfg.concurrency]
+    cells: list[Cell] = []
+    prompts: list = []
+    for path in cfg.dataset.split(","):  # one set of cells per dataset (e.g. code, math, chat)
+        got = read_bench_prompts(path, cfg.num_prompts, getattr(tok, "apply_chat_template", None))
+        base = tuple(encode(p.text) for p in got)
+        cut = sum(len(encode(p.text, 10**9)) > budget for p in got)
+        if cut:
+            notes.append(
+                f"{Path(path).name}: {cut} prompt(s) longer than {budget} tokens were cut to their last {budget}"
+            )
+        cells += [Cell(Path(path).name, t, c, base) for t in cfg.temperatures for c in cfg.concurrency]
+        prompts += got
+    dataset = Path(cfg.dataset.split(",")[0]).name  # context-depth cells pad the first dataset's prompts
     depth_cells: list[Cell] = []
     if cfg.context_depths:
         sources = read_sources(cfg.context_source) if cfg.context_source else read_sources()
