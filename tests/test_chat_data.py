@@ -116,3 +116,13 @@ def test_instruction_prompts_are_deterministic_and_disjoint_from_the_heldout_set
     check_disjoint(rows)
     with pytest.raises(ValueError, match="held-out code"):
         check_disjoint(rows + [{"messages": [{"role": "user", "content": HELDOUT["code"][0]}]}])
+
+
+def test_drafter_final_norm_starts_from_the_targets(llama, tmp_path: Path) -> None:
+    with torch.no_grad():
+        llama.model.norm.weight.uniform_(0.1, 0.3)  # a trained target's scale, far from RMSNorm's ones
+    llama.config.save_pretrained(tmp_path)
+    trainer = DraftTrainer(tiny_cfg(target_dir=str(tmp_path), target_layer_ids=TAPS), HFTarget(llama), tiny_dataset(4))
+    assert torch.equal(trainer.drafter.final_norm.weight, llama.model.norm.weight)
+    with torch.no_grad():
+        llama.model.norm.weight.fill_(1.0)

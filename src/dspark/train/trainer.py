@@ -502,8 +502,24 @@ def _target_config(target: nn.Module, target_dir: str) -> TargetConfig | dict[st
 def build_drafter(cfg: DraftTrainConfig, target: nn.Module) -> DSparkDrafter:
     drafter = DSparkDrafter(cfg.draft_config(_target_config(target, cfg.target_dir)))
     init_drafter_(drafter, cfg.init_std, torch.Generator().manual_seed(cfg.seed))
+    norm = target_final_norm(target)
+    if norm is not None and norm.shape == drafter.final_norm.weight.shape:
+        with torch.no_grad():  # the borrowed lm_head then sees states at the target's scale from step 0
+            drafter.final_norm.weight.copy_(norm)
     drafter.attach(target.embed_tokens, target.lm_head)
     return drafter.float().train()
+
+
+def target_final_norm(target: nn.Module) -> torch.Tensor | None:
+    """The weight of the target's final RMSNorm (our MLA target or a transformers model), if it has one."""
+    from dspark.models.hf_target import HFTarget
+    from dspark.models.target import MLATarget
+
+    if isinstance(target, MLATarget):
+        return target.model.norm.weight.detach()
+    if isinstance(target, HFTarget) and isinstance(target.model.model.norm, nn.Module):
+        return target.model.model.norm.weight.detach()
+    return None
 
 
 # --------------------------------------------------------------------------------------------------------
