@@ -72,7 +72,7 @@ def build_engines(
     """One engine per speculative config, all sharing one loaded target (and drafters per directory)."""
     target_dir = resolve_model(model)
     specs = [_parse_spec(s) for s in speculative_configs]
-    target = _load_any_target(target_dir, dtype)
+    target = load_target(target_dir, dtype)
     tok = load_tokenizer(target_dir, target.config.vocab_size, target.config.eos_token_ids)
     drafters: dict[Path, Any] = {}
     engines = []
@@ -94,22 +94,8 @@ def build_engines(
             max_waiting=max_waiting,
         )
         cache = CacheConfig(page_size=page_size, num_pages=num_pages)
-        engine = Engine(target, drafter, spec, ecfg, cache, tok, adaptive)
-        engine.model_dir = target_dir  # type: ignore[attr-defined]
-        engine.draft_dir = draft_dir  # type: ignore[attr-defined]
-        engines.append(engine)
+        engines.append(Engine(target, drafter, spec, ecfg, cache, tok, adaptive, target_dir, draft_dir))
     return engines
-
-
-def _load_any_target(path: Path, dtype: str):
-    """DeepSeek-V3 / Kimi-K2 configs load into the MLA target; other HF causal LMs through transformers."""
-    from dspark.config import read_json
-    from dspark.models.hf_target import HFTarget
-    from dspark.models.loading import torch_dtype
-
-    if read_json(path).get("model_type", "deepseek_v3") in ("deepseek_v3", "kimi_k2", "deepseek_v2"):
-        return load_target(path, dtype)
-    return HFTarget.load(path, torch_dtype(dtype))
 
 
 def _check_pair(spec: SpeculativeConfig | None, drafter: Any, draft_dir: Path | None) -> None:
