@@ -152,6 +152,10 @@ def _timed_generate(engine, prompt: str, params) -> tuple[object, float]:
     llm.generate(prompt, _replace_max_tokens(params, 2))  # warm-up (first-call overheads)
     t0 = time.perf_counter()
     out = llm.generate(prompt, params)[0]
+    if out.error is not None:
+        from dspark.engine.engine import EngineError
+
+        raise EngineError(f"generation failed: {out.error}")
     return out, time.perf_counter() - t0
 
 
@@ -164,12 +168,12 @@ def _replace_max_tokens(params, n: int):
 def cmd_generate(args: argparse.Namespace) -> int:
     from dspark.llm import build_engines
 
+    params = _sampling(args, args.max_tokens)  # refuse bad sampling values before loading anything
     model, demo = model_or_demo(args.model)
     spec = default_spec(args, model if demo else None)
     compare = (args.compare or args.json) and spec is not None
     configs = [spec, None] if compare else [spec]
     engines = build_engines(model, configs, dtype=args.dtype, seed=args.seed or 0)
-    params = _sampling(args, args.max_tokens)
     out, wall = _timed_generate(engines[0], args.prompt, params)
     tps = len(out.token_ids) / wall if wall > 0 else 0.0
     speedup = None
