@@ -1,14 +1,15 @@
 """The fallback target: any ``transformers`` causal LM whose architecture has no native dspark family.
 
 Its page format is ``tokens``: the paged pool keeps each request's token ids, and every forward recomputes the
-visible prefix in one batched transformers pass (O(prefix) per step; the native families keep K/V pages). Taps are
-the raw outputs of the decoder layers (HF ``hidden_states[i + 1]``), except that HF reports the last layer's
-output after the final norm: tapping the last layer is refused.
+visible prefix in one batched transformers pass (O(prefix) per step; the native families keep K/V pages). Tap i is
+the raw output of decoder layer i (a forward hook), as on the native targets and in DeepSpec's training cache; HF's
+last ``hidden_states`` entry is post-norm.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +79,10 @@ class HFTarget(nn.Module):
     def lm_head(self) -> nn.Module:
         return self.model.get_output_embeddings()
 
+    def _tap_module(self, layer: int) -> nn.Module:
+        """Tap ``layer`` reads this module's raw output: decoder layer i, or the embedding for -1."""
+        return self.model.get_input_embeddings() if layer == -1 else self.model.get_decoder().layers[layer]
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -88,11 +93,10 @@ class HFTarget(nn.Module):
         logits_rows: torch.Tensor | None = None,
     ) -> TargetOutput:
         """Store the new ids, read back each request's visible prefix (key s = position s), recompute it."""
-        if self.config.num_hidden_layers - 1 in tap_layers:
-            raise ConfigError("the transformers fallback cannot tap the last layer (HF reports it post-norm)")
         prefix = input_ids if cache is None else cache.update(0, input_ids[..., None])[..., 0]  # [B, S]
         valid = mask.any(1)  # [B, S]: keys visible to some row = the request's positions 0..end-1
-        out = self.model(input_ids=prefix.long() * valid, attention_mask=valid.long(), output_hidden_states=True)
+        with _capture_outputs([self._tap_module(i) for i in tap_layers]) as captured:
+            out = self.model(input_ids=prefix.long() * valid, attention_mask=valid.long(), output_hidden_states=True)
         at = positions[..., None]  # [B, T, 1]: the new rows in the recomputed sequence
         hidden = out.hidden_states[-1].gather(1, at.expand(-1, -1, out.hidden_states[-1].shape[-1]))
         logits = out.logits.float().gather(1, at.expand(-1, -1, out.logits.shape[-1]))
@@ -100,6 +104,27 @@ class HFTarget(nn.Module):
             logits = logits.gather(1, logits_rows[..., None].expand(-1, -1, logits.shape[-1]))
         taps = None
         if tap_layers:
-            hs = torch.cat([out.hidden_states[i + 1] for i in tap_layers], -1)
+            hs = torch.cat(captured, -1)
             taps = hs.gather(1, at.expand(-1, -1, hs.shape[-1]))
         return TargetOutput(logits=logits, taps=taps, hidden=hidden)
+
+
+@contextmanager
+def _capture_outputs(modules: Sequence[nn.Module]) -> Iterator[list[torch.Tensor]]:
+    """Collect each module's forward output (first element of a tuple) in the given order while inside."""
+    slots: list[torch.Tensor | None] = [None] * len(modules)
+
+    def hook(i: int):
+        def save(_module: nn.Module, _args: object, output: object) -> None:
+            slots[i] = output[0] if isinstance(output, tuple) else output  # type: ignore[assignment]
+
+        return save
+
+    captured: list[torch.Tensor] = []
+    handles = [m.register_forward_hook(hook(i)) for i, m in enumerate(modules)]
+    try:
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()
+    captured.extend(t for t in slots if t is not None)
