@@ -131,9 +131,12 @@ class LlamaTarget(nn.Module):
         cache: CacheView | None = None,
         tap_layers: Sequence[int] = (),
         logits_rows: torch.Tensor | None = None,
+        absorbed: bool = True,
+        compute_logits: bool = True,
     ) -> TargetOutput:
         """input_ids [B, T]; positions [B, T] (default 0..T-1); mask [B, T, S] bool (default causal, S = T);
-        logits_rows [B, N] row indices into T (default all rows)."""
+        logits_rows [B, N] row indices into T (default all rows). ``absorbed`` selects MLA's attention form in the
+        training code that drives every family alike; GQA has one form and ignores it."""
         B, T = input_ids.shape
         if positions is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
@@ -147,5 +150,8 @@ class LlamaTarget(nn.Module):
             if i in wanted:
                 taps.append(h)
         h = self.model.norm(h)
-        rows = h if logits_rows is None else h.gather(1, logits_rows[..., None].expand(-1, -1, h.shape[-1]))
-        return TargetOutput(logits=self.lm_head(rows).float(), taps=torch.cat(taps, -1) if taps else None, hidden=h)
+        logits = None
+        if compute_logits:
+            rows = h if logits_rows is None else h.gather(1, logits_rows[..., None].expand(-1, -1, h.shape[-1]))
+            logits = self.lm_head(rows).float()
+        return TargetOutput(logits=logits, taps=torch.cat(taps, -1) if taps else None, hidden=h)
