@@ -290,9 +290,9 @@ def read_config_any(path: str | Path) -> TargetConfig | GQATargetConfig | DraftC
     d = read_json(path)
     if d.get("model_type") == "kimi_linear":
         return KimiLinearConfig.from_dict(d, source=str(path))
-    if d.get("model_type") in GQA_MODEL_TYPES and not any(a.endswith("DSparkModel") for a in d.get("architectures") or []):
-        return GQATargetConfig.from_dict(d, source=str(path))
     archs = d.get("architectures") or []
     if d.get("model_type") == "k3_dspark" or any(a.endswith("DSparkModel") for a in archs):
         return DraftConfig.from_dict(d, source=str(path))
+    if d.get("model_type") in GQA_MODEL_TYPES:
+        return GQATargetConfig.from_dict(d, source=str(path))
     return TargetConfig.from_dict(d, source=str(path))
