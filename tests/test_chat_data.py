@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.models.hf_target import HFTarget
-from dspark.models.loading import load_drafter
+from dspark.models.loading import load_drafter, load_target
 from dspark.train.chat_data import ChatDataConfig, Sample, generate_batch, merge_shards, write_split
 from dspark.train.features import FeatureCache, prepare_features, target_features
 from dspark.train.instructions import HELDOUT, check_disjoint, training_prompts
@@ -37,11 +36,19 @@ def llama():
     return LlamaForCausalLM(cfg).eval()
 
 
-def test_generate_batch_matches_unbatched_greedy_and_a_full_forward(llama) -> None:
+@pytest.fixture(scope="module")
+def native(llama, tmp_path_factory):
+    """Our own GQA target on the same weights (loaded from the saved HF directory)."""
+    path = tmp_path_factory.mktemp("llama")
+    llama.save_pretrained(path)
+    return load_target(path, "float32"), path
+
+
+def test_generate_batch_matches_unbatched_greedy_and_a_full_forward(llama, native) -> None:
     prompts = [[5, 9, 11], [7, 8, 20, 30, 40, 50], [60, 61]]
     cfg = ChatDataConfig(tap_layers=TAPS, max_new_tokens=6, min_response_tokens=1)
     samples = generate_batch(llama, prompts, cfg, temperature=0.0, eos_ids=set(), seed=0)
-    target = HFTarget(llama)
+    target, _ = native
     for prompt, s in zip(prompts, samples):
         assert s.tokens[: s.num_prompt] == prompt and len(s.tokens) == len(prompt) + 6
         ref = llama.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0].tolist()
@@ -86,11 +93,10 @@ def test_merged_shards_read_back_sample_by_sample(tmp_path: Path) -> None:
         assert torch.equal(taps, s.taps) and torch.equal(hidden, s.hidden)
 
 
-def test_gqa_drafter_trains_on_a_transformers_llama_target(llama, tmp_path: Path) -> None:
-    target = HFTarget(llama)
-    llama.config.save_pretrained(tmp_path / "target")
+def test_gqa_drafter_trains_on_a_llama_target(native, tmp_path: Path) -> None:
+    target, path = native
     data, val = tiny_dataset(6), tiny_dataset(2, seed=4)
-    cfg = tiny_cfg(target_dir=str(tmp_path / "target"), target_layer_ids=TAPS, batch_size=3, max_steps=2)
+    cfg = tiny_cfg(target_dir=str(path), target_layer_ids=TAPS, batch_size=3, max_steps=2)
     online = DraftTrainer(cfg, target, data)
     dc = online.draft_cfg
     assert dc.is_gqa and (dc.hidden_size, dc.num_key_value_heads, dc.head_dim) == (32, 2, 8)
@@ -118,11 +124,13 @@ def test_instruction_prompts_are_deterministic_and_disjoint_from_the_heldout_set
         check_disjoint(rows + [{"messages": [{"role": "user", "content": HELDOUT["code"][0]}]}])
 
 
-def test_drafter_final_norm_starts_from_the_targets(llama, tmp_path: Path) -> None:
+def test_drafter_final_norm_starts_from_the_targets(native) -> None:
+    target, path = native
+    norm = target.model.norm.weight
+    saved = norm.detach().clone()
     with torch.no_grad():
-        llama.model.norm.weight.uniform_(0.1, 0.3)  # a trained target's scale, far from RMSNorm's ones
-    llama.config.save_pretrained(tmp_path)
-    trainer = DraftTrainer(tiny_cfg(target_dir=str(tmp_path), target_layer_ids=TAPS), HFTarget(llama), tiny_dataset(4))
-    assert torch.equal(trainer.drafter.final_norm.weight, llama.model.norm.weight)
+        norm.uniform_(0.1, 0.3)  # a trained target's scale, far from RMSNorm's ones
+    trainer = DraftTrainer(tiny_cfg(target_dir=str(path), target_layer_ids=TAPS), target, tiny_dataset(4))
+    assert torch.equal(trainer.drafter.final_norm.weight, norm)
     with torch.no_grad():
-        llama.model.norm.weight.fill_(1.0)
+        norm.copy_(saved)

@@ -66,18 +66,11 @@ def target_features(
     """Online features: input_ids [B, S] (right-padded; the causal target ignores the padding) → Features.
 
     absorbed MLA is several times faster on CPU for training-length sequences (hundreds of tokens)."""
-    from dspark.models.hf_target import HFTarget
-
     _, tdtype = _dtypes(feature_dtype)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        if isinstance(target, HFTarget):  # hidden_states[i + 1] = output of layer i; [-1] = final post-norm state
-            hs = target.model.model(input_ids, output_hidden_states=True).hidden_states
-            taps, hidden = torch.cat([hs[i + 1] for i in tap_layers], -1), hs[-1]
-        else:
-            out = target(input_ids, tap_layers=tuple(tap_layers), absorbed=absorbed, compute_logits=False)
-            assert out.taps is not None
-            taps, hidden = out.taps, out.hidden
-    return Features(taps=taps.to(tdtype), hidden=hidden.to(tdtype))
+        out = target(input_ids, tap_layers=tuple(tap_layers), absorbed=absorbed, compute_logits=False)
+    assert out.taps is not None
+    return Features(taps=out.taps.to(tdtype), hidden=out.hidden.to(tdtype))
 
 
 @torch.no_grad()

@@ -17,6 +17,9 @@ The embedding and lm_head are the target's, frozen and never saved in the drafte
 (``out_dir/checkpoint/last.pt``) resume bit-exactly; the export (``out_dir/export``) is the official
 ``k3_dspark`` directory written by ``save_drafter`` (bf16) plus ``training_log.json``.
 
+The run itself (stop rules, time-derived horizon, evaluation/checkpoint intervals, final export) is the loop
+both trainers share, ``dspark.train.loop.TrainLoop``; ``DraftTrainer`` implements its hooks.
+
 Runs single-process or under ``torchrun`` (gloo on CPU):
 ``torchrun --nproc_per_node 2 --no-python dspark train-draft --target DIR --data-dir DIR --out-dir DIR``.
 """
@@ -26,7 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache
@@ -38,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dspark.config import DraftConfig, TargetConfig, read_json
+from dspark.config import DraftConfig, GQATargetConfig, TargetConfig
 from dspark.models.drafter import DSparkDrafter
 from dspark.train.anchors import block_inputs, block_positions, block_targets, block_visibility, sample_anchors
 from dspark.train.features import FeatureCache, Features, target_features, target_logits_at
@@ -69,7 +72,7 @@ def spread_taps(num_layers: int, num_taps: int) -> tuple[int, ...]:
 
 
 def draft_config_for(
-    target: TargetConfig,
+    target: TargetConfig | GQATargetConfig,
     num_layers: int = 2,
     markov_rank: int = 96,
     markov_head_type: str = "vanilla",
@@ -80,16 +83,34 @@ def draft_config_for(
     mask_token_id: int = MASK_ID,
     intermediate_size: int | None = None,
 ) -> DraftConfig:
-    """A k3_dspark drafter for ``target``: its hidden size, MLA widths (so both share one latent page
-    format), RoPE/YaRN and special ids; ``num_layers`` layers; taps spread over the target depth."""
+    """A drafter for ``target`` that shares its page format: k3_dspark (MLA widths) for an MLA target, DeepSpec's
+    Qwen3DSparkModel (the target's KV heads and head_dim) for a GQA target; its hidden size, RoPE and special ids;
+    ``num_layers`` layers; taps spread over the target depth."""
     tap_ids = tuple(taps) if taps is not None else spread_taps(target.num_hidden_layers, num_taps)
     if tap_ids and tap_ids[-1] >= target.num_hidden_layers - 1 and target.num_hidden_layers > 1:
         raise ValueError(
             f"target_layer_ids {list(tap_ids)} include the target's last layer {target.num_hidden_layers - 1}; "
             "its output is the pre-norm final state the drafter must not see — pick earlier layers"
         )
+    if isinstance(target, GQATargetConfig):
+        geometry: dict[str, Any] = {
+            "architecture": "Qwen3DSparkModel",
+            "num_key_value_heads": target.num_key_value_heads,
+            "head_dim": target.head_dim,
+        }
+    else:
+        geometry = {
+            "architecture": "K3DSparkModel",
+            "q_lora_rank": target.q_lora_rank,
+            "kv_lora_rank": target.kv_lora_rank,
+            "qk_nope_head_dim": target.qk_nope_head_dim,
+            "qk_rope_head_dim": target.qk_rope_head_dim,
+            "v_head_dim": target.v_head_dim,
+            "mla_use_nope": target.mla_use_nope,
+            "mla_use_output_gate": target.mla_use_output_gate,
+        }
     return DraftConfig(
-        architecture="K3DSparkModel",
+        **geometry,
         hidden_size=target.hidden_size,
         intermediate_size=intermediate_size or target.intermediate_size,
         num_hidden_layers=num_layers,
@@ -101,13 +122,6 @@ def draft_config_for(
         mask_token_id=mask_token_id,
         rope=target.rope,
         max_position_embeddings=target.max_position_embeddings,
-        q_lora_rank=target.q_lora_rank,
-        kv_lora_rank=target.kv_lora_rank,
-        qk_nope_head_dim=target.qk_nope_head_dim,
-        qk_rope_head_dim=target.qk_rope_head_dim,
-        v_head_dim=target.v_head_dim,
-        mla_use_nope=target.mla_use_nope,
-        mla_use_output_gate=target.mla_use_output_gate,
         markov_rank=markov_rank,
         markov_head_type=markov_head_type,
         enable_confidence_head=confidence,
@@ -119,55 +133,6 @@ def draft_config_for(
         pad_token_id=target.pad_token_id,
         torch_dtype="bfloat16",
     )
-
-
-def gqa_draft_config_for(
-    hf: Mapping[str, Any],
-    num_layers: int = 2,
-    markov_rank: int = 96,
-    markov_head_type: str = "vanilla",
-    confidence: bool = True,
-    taps: Sequence[int] | None = None,
-    num_taps: int = 4,
-    block_size: int = 7,
-    mask_token_id: int = MASK_ID,
-    intermediate_size: int | None = None,
-) -> DraftConfig:
-    """A DeepSpec ``Qwen3DSparkModel`` drafter for a GQA target given as its HF config.json dict (Llama / Qwen2 /
-    Qwen3): the target's width, heads, KV heads, head_dim and RoPE (rotate-half), so both share one KV page
-    format; ``num_layers`` layers; taps spread over the target depth (never its last layer)."""
-    n_layers = int(hf["num_hidden_layers"])
-    tap_ids = tuple(taps) if taps is not None else spread_taps(n_layers, num_taps)
-    if tap_ids and tap_ids[-1] >= n_layers - 1:
-        raise ValueError(f"target_layer_ids {list(tap_ids)} include the target's last layer {n_layers - 1}")
-    heads = int(hf["num_attention_heads"])
-    head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // heads)
-    d = {
-        "architectures": ["Qwen3DSparkModel"],
-        "hidden_size": hf["hidden_size"],
-        "intermediate_size": intermediate_size or hf["intermediate_size"],
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": hf.get("num_key_value_heads") or heads,
-        "head_dim": head_dim,
-        "vocab_size": hf["vocab_size"],
-        "num_target_layers": n_layers,
-        "target_layer_ids": list(tap_ids),
-        "mask_token_id": mask_token_id,
-        "rope_theta": hf.get("rope_theta", 10000.0),
-        "rope_parameters": hf.get("rope_parameters") or hf.get("rope_scaling"),
-        "max_position_embeddings": hf.get("max_position_embeddings", 32768),
-        "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
-        "markov_rank": markov_rank,
-        "markov_head_type": markov_head_type,
-        "enable_confidence_head": confidence,
-        "block_size": block_size,
-        "bos_token_id": hf.get("bos_token_id"),
-        "eos_token_id": hf.get("eos_token_id"),
-        "pad_token_id": hf.get("pad_token_id"),
-        "torch_dtype": "bfloat16",
-    }
-    return DraftConfig.from_dict(d, source="target config.json (GQA drafter)")
 
 
 @dataclass(frozen=True)
@@ -266,11 +231,9 @@ class DraftTrainConfig:
         conf = self.confidence_weight if self.confidence_head else 0.0
         return LossWeights(ce=self.ce_weight, l1=self.l1_weight, confidence=conf, decay_gamma=self.decay_gamma)
 
-    def draft_config(self, target: TargetConfig | Mapping[str, Any]) -> DraftConfig:
-        """An MLA drafter for an MLA TargetConfig; a GQA (Qwen3DSparkModel) drafter for an HF config dict."""
-        build = draft_config_for if isinstance(target, TargetConfig) else gqa_draft_config_for
-        return build(  # type: ignore[operator]
-            target,  # type: ignore[arg-type]
+    def draft_config(self, target: TargetConfig | GQATargetConfig) -> DraftConfig:
+        return draft_config_for(
+            target,
             num_layers=self.num_layers,
             markov_rank=0 if self.dflash else self.markov_rank,
             markov_head_type=self.markov_head_type,
@@ -490,17 +453,8 @@ def init_drafter_(drafter: DSparkDrafter, std: float, generator: torch.Generator
                 p.normal_(0.0, std, generator=generator)
 
 
-def _target_config(target: nn.Module, target_dir: str) -> TargetConfig | dict[str, Any]:
-    """The MLA TargetConfig, or the HF config dict of a transformers-backed target."""
-    from dspark.models.hf_target import HFTarget
-
-    if isinstance(target, HFTarget):
-        return target.model.config.to_dict()
-    return target.config if isinstance(target.config, TargetConfig) else read_json(target_dir)
-
-
 def build_drafter(cfg: DraftTrainConfig, target: nn.Module) -> DSparkDrafter:
-    drafter = DSparkDrafter(cfg.draft_config(_target_config(target, cfg.target_dir)))
+    drafter = DSparkDrafter(cfg.draft_config(target.config))
     init_drafter_(drafter, cfg.init_std, torch.Generator().manual_seed(cfg.seed))
     norm = target_final_norm(target)
     if norm is not None and norm.shape == drafter.final_norm.weight.shape:
@@ -511,14 +465,12 @@ def build_drafter(cfg: DraftTrainConfig, target: nn.Module) -> DSparkDrafter:
 
 
 def target_final_norm(target: nn.Module) -> torch.Tensor | None:
-    """The weight of the target's final RMSNorm (our MLA target or a transformers model), if it has one."""
-    from dspark.models.hf_target import HFTarget
+    """The weight of the target's final RMSNorm (our MLA or GQA target), if it has one."""
+    from dspark.models.llama import LlamaTarget
     from dspark.models.target import MLATarget
 
-    if isinstance(target, MLATarget):
+    if isinstance(target, MLATarget | LlamaTarget):
         return target.model.norm.weight.detach()
-    if isinstance(target, HFTarget) and isinstance(target.model.model.norm, nn.Module):
-        return target.model.model.norm.weight.detach()
     return None
 
 
@@ -918,16 +870,6 @@ class DraftTrainResult:
     export_dir: str | None
 
 
-def load_training_target(path: str | Path) -> nn.Module:
-    """The frozen fp32 target: MLA configs natively, other HF causal LMs (Llama / Qwen) through transformers."""
-    from dspark.models.hf_target import HFTarget
-    from dspark.models.loading import load_target
-
-    if read_json(path).get("model_type", "deepseek_v3") in ("deepseek_v3", "kimi_k2", "deepseek_v2"):
-        return load_target(path, "float32")
-    return HFTarget.load(path, torch.float32)
-
-
 def load_datasets(data_dir: str | Path) -> tuple[DraftDataset, DraftDataset | None]:
     d = Path(data_dir)
     train = DraftDataset.load(d / TRAIN_FILE)
@@ -964,11 +906,14 @@ def train_draft(
 
 
 def _run(cfg, resume, target, train_data, val_data, dist_info: Dist) -> DraftTrainResult:
+    from dspark.checkpoint.resolve import resolve_model_ref
+    from dspark.models.loading import load_target
+
     ckpt = checkpoint_path(cfg.out_dir)
     if not resume and ckpt.exists():
         raise FileExistsError(f"{ckpt} exists; pass --resume to continue it, or choose a new --out-dir")
     if target is None:
-        target = load_training_target(cfg.target_dir)
+        target = load_target(resolve_model_ref(cfg.target_dir, role="train-draft --target"), "float32")
     if train_data is None:
         train_data, val_data = load_datasets(cfg.data_dir)
     trainer = DraftTrainer(cfg, target, train_data, val_data, dist_info)
