@@ -84,7 +84,8 @@ def build_engines(
     )
     cache = CacheConfig(page_size=page_size, num_pages=num_pages, swap_space=swap_space)
     target = _load_any_target(target_dir, dtype)
-    tok = load_tokenizer(target_dir, target.config.vocab_size, target.config.eos_token_ids)
+    tcfg = target.config
+    tok = load_tokenizer(target_dir, tcfg.vocab_size, tcfg.eos_token_ids, tcfg.bos_token_id)  # bytes: random models
     drafters: dict[tuple[Path, str | None], Any] = {}  # one drafter per (directory, attention backend)
     engines = []
     for spec in specs:
