@@ -8,6 +8,7 @@ from fastapi.testclient import TestClient
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer
 
+from dspark.config import RANDOM_WEIGHTS_KEY
 from dspark.data import load_prompts
 from dspark.llm import BUNDLED_TARGET, LLM, build_engine
 from dspark.models.tiny import tiny_target_config, write_tiny_pair
@@ -118,10 +119,17 @@ def test_bundled_chat_template_renders_the_trained_chat_format():
     ]  # <|bos|><|user|>..<|assistant|>
 
 
-def test_missing_tokenizer_is_an_error_unless_the_caller_asks_for_bytes(tmp_path):
+def test_missing_tokenizer_is_an_error_unless_the_model_is_marked_random(tmp_path):
     with pytest.raises(FileNotFoundError, match="has no tokenizer"):
         load_tokenizer(tmp_path)
-    assert isinstance(load_tokenizer(tmp_path, vocab_size=96, bos_token_id=0), ByteTokenizer)
+    target_dir, _ = write_tiny_pair(tmp_path)  # marked as explicitly random test weights
+    tok = load_tokenizer(target_dir, bos_token_id=0)
+    assert isinstance(tok, ByteTokenizer) and tok.encode("a")[0] == 0 and tok.vocab_size == 96
+    config = json.loads((target_dir / "config.json").read_text())
+    del config[RANDOM_WEIGHTS_KEY]
+    (target_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(FileNotFoundError, match="has no tokenizer"):
+        load_tokenizer(target_dir, vocab_size=96)
 
 
 @pytest.mark.parametrize("kind", ["bytelevel", "metaspace"])

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dspark.config import ConfigError
+from dspark.config import RANDOM_WEIGHTS_KEY, ConfigError, read_json
 
 # files any one of which makes a directory an HF tokenizer directory for AutoTokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -147,12 +147,14 @@ def load_tokenizer(
     eos_token_ids: Sequence[int] = (),
     bos_token_id: int | None = None,
 ) -> HFTokenizer | ByteTokenizer:
-    """The model directory's tokenizer (AutoTokenizer). Without tokenizer files: bytes when the caller passes the
-    random test model's vocab_size, else an error naming the directory."""
+    """The model directory's tokenizer (AutoTokenizer). Without tokenizer files only a model marked as explicitly
+    random test weights (config.json key ``dspark_random_weights``) gets bytes; anything else is an error."""
+    directory = Path(directory)
     if has_tokenizer(directory):
         return HFTokenizer(directory, eos_token_ids)
-    if vocab_size is not None:
-        return ByteTokenizer(vocab_size, eos_token_ids, bos_token_id)
+    config = read_json(directory) if (directory / "config.json").is_file() else {}
+    if config.get(RANDOM_WEIGHTS_KEY) is True:
+        return ByteTokenizer(vocab_size or int(config["vocab_size"]), eos_token_ids, bos_token_id)
     raise FileNotFoundError(
         f"{directory} has no tokenizer (tokenizer.json + tokenizer_config.json); copy the model's tokenizer files "
         f"there, or train one with `python -m dspark.train.tokenizer CORPUS_DIR {directory}`"
