@@ -17,8 +17,8 @@ from typing import Any
 
 from dspark.config import RANDOM_WEIGHTS_KEY, ConfigError, read_json
 
-# files any one of which makes a directory an HF tokenizer directory for AutoTokenizer
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+# vocabulary files any one of which makes a directory a tokenizer directory for AutoTokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 class IncrementalDetokenizer:
