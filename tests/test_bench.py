@@ -423,3 +423,19 @@ def test_bench_runs_each_vllm_method_alone_after_our_engines(tmp_path, monkeypat
     inits = [e for e in _fake_log(log) if e["event"] == "init"]
     assert [e["kw"].get("speculative_config") is not None for e in inits] == [False, True]
     assert inits[1]["kw"]["speculative_config"]["num_speculative_tokens"] == 3
+
+
+def test_a_failing_vllm_worker_costs_its_rows_not_the_run(tmp_path, capsys):
+    from dspark.cli import main
+
+    target_dir, draft_dir = write_tiny_pair(tmp_path / "pair")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "def f(x):\n"}) + "\n")
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--dataset", str(data), "--model", str(target_dir), "--draft", str(draft_dir), "--quiet"]
+    argv += ["--num-prompts", "1", "--max-tokens", "3", "--baselines", "ngram", "--vllm-python", "/bin/false"]
+    argv += ["--dtype", "float32", "--output", str(out), "--no-warmup"]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert [r["name"] for r in report["results"]] == ["ar", "dspark", "ngram"]
+    assert sum("failed, no rows" in n for n in report["config"]["notes"]) == 2  # vllm and vllm-ngram

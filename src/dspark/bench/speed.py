@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark.bench.acceptance import sum_counters
-from dspark.bench.baselines import HFGenerate, VLLMMethod
+from dspark.bench.baselines import HFGenerate, VLLMError, VLLMMethod
 from dspark.bench.methods import EngineMethod, Measurement, Method
 from dspark.config import ConfigError, DraftConfig, SpeculativeConfig, TargetConfig
 from dspark.sampling_params import SamplingParams
@@ -468,12 +468,19 @@ def _measure_vllm(
         notes.append(f"{name}: skipped (pass --vllm-python PYTHON with vLLM installed)")
         return []
     spec = vllm_spec(name, k)
-    method = VLLMMethod(
-        name, cfg.vllm_python, res.target_dir, spec, cfg.dtype, cfg.seed, max_len, None, cfg.vllm_kv_space_gib
-    )
+    open_cells = [(c, parts) for c, parts in zip(cells, measured) if not c.engine_only]
+    try:  # a vLLM failure costs its rows, never the measurements already taken
+        method = VLLMMethod(
+            name, cfg.vllm_python, res.target_dir, spec, cfg.dtype, cfg.seed, max_len, None, cfg.vllm_kv_space_gib
+        )
+    except VLLMError as e:
+        notes.append(f"{name}: failed, no rows ({str(e).splitlines()[0]})")
+        return []
     try:
-        open_cells = [(c, parts) for c, parts in zip(cells, measured) if not c.engine_only]
         phase = _run_phase([method], [c for c, _ in open_cells], cfg, notes)
+    except VLLMError as e:
+        notes.append(f"{name}: failed, no rows ({str(e).splitlines()[0]})")
+        return []
     finally:
         method.close()
     for (_, parts), got in zip(open_cells, phase):
