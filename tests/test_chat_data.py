@@ -134,3 +134,25 @@ def test_drafter_final_norm_starts_from_the_targets(native) -> None:
     assert torch.equal(trainer.drafter.final_norm.weight, norm)
     with torch.no_grad():
         norm.copy_(saved)
+
+
+def test_a_packaged_alias_target_pairs_with_its_shipped_drafters(tmp_path: Path, monkeypatch) -> None:
+    import dspark.checkpoint.resolve as resolve
+    import dspark.llm as llm
+    from dspark.checkpoint.gguf import export_dir_for
+    from dspark.config import SpeculativeConfig
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(resolve, "alias_path", lambda name: gguf)
+    pair = (tmp_path / "dspark", tmp_path / "dflash")
+    for d in pair:
+        d.mkdir()
+        (d / "config.json").write_text("{}")
+    monkeypatch.setattr(llm, "ALIAS_DRAFTS", {"smollm2-135m-instruct": pair})
+    target = export_dir_for(gguf)
+    assert llm.shipped_drafts(target) == pair and llm.shipped_drafts(tmp_path) is None
+    assert llm.resolve_draft(SpeculativeConfig(method="dflash"), target) == pair[1]
+    assert llm.resolve_draft(SpeculativeConfig(method="dspark"), target) == pair[0]
+    assert llm.shipped_drafts(llm.BUNDLED_TARGET) == (llm.BUNDLED_DRAFT, llm.BUNDLED_DFLASH)

@@ -225,7 +225,7 @@ class Resolved:
 
 def resolve_dirs(cfg: BenchConfig) -> Resolved:
     from dspark.checkpoint.resolve import resolve_model_ref
-    from dspark.llm import BUNDLED_DFLASH, BUNDLED_DRAFT, BUNDLED_TARGET, bundled_available
+    from dspark.llm import bundled_available, shipped_drafts
 
     if cfg.model is None and not bundled_available():
         import tempfile
@@ -239,17 +239,17 @@ def resolve_dirs(cfg: BenchConfig) -> Resolved:
             "(numbers are not meaningful); pass --model/--draft",
             stacklevel=2,
         )
-        demo, bundled = True, False
+        demo, shipped = True, None
     else:
         from dspark.llm import resolve_model
 
         target_dir, demo = resolve_model(cfg.model), False
-        bundled = target_dir.resolve() == BUNDLED_TARGET.resolve()
+        shipped = shipped_drafts(target_dir)  # the bundled pair's, or a packaged alias target's drafters
         draft_dir = resolve_model_ref(cfg.draft, role="--draft") if cfg.draft else None
-        draft_dir = draft_dir or (BUNDLED_DRAFT if bundled else None)
+        draft_dir = draft_dir or (shipped[0] if shipped else None)
     dflash_dir = resolve_model_ref(cfg.dflash_draft, role="--dflash-draft") if cfg.dflash_draft else None
-    if dflash_dir is None and not demo and bundled and (BUNDLED_DFLASH / "config.json").exists():
-        dflash_dir = BUNDLED_DFLASH
+    if dflash_dir is None and shipped is not None and (shipped[1] / "config.json").exists():
+        dflash_dir = shipped[1]
     head_off = dflash_dir is None and draft_dir is not None
     return Resolved(target_dir, draft_dir, dflash_dir or draft_dir, head_off, demo)
 
