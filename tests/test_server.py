@@ -21,8 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from dspark.llm import LLM, build_engine
 from dspark.models.tiny import write_tiny_pair
 from dspark.sampling_params import SamplingParams
-from dspark.serve.app import create_app, encode_prompt
+from dspark.serve.app import create_app
 from dspark.serve.async_engine import IncrementalText
+from dspark.serve.inputs import encode_prompt
 from dspark.serve.protocol import spec_metrics_of
 
 K = 4
