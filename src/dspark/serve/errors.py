@@ -78,6 +78,8 @@ def field_path(loc: Sequence[Any]) -> list[str]:
 
 
 def validation_error(errs: Sequence[Any]) -> APIError:
+    # a value our validators refused says more than the other branches of a union ("should be a valid list")
+    errs = sorted(errs, key=lambda err: err.get("type") != "value_error")
     first = errs[0] if errs else {}
     loc = field_path(first.get("loc", ()))
     if first.get("type") == "json_invalid":

@@ -21,8 +21,8 @@ from dspark.serve.protocol import ResponseMetrics, spec_metrics_of
 T = TypeVar("T")
 
 EMPTY_API_KEY = (
-    "the API key is empty (--api-key '' or DSPARK_API_KEY=''), which would leave the server open; set a key, "
-    "or unset both to serve without authentication"
+    "the API key is empty (--api-key '' or DSPARK_API_KEY=''), which would leave the server open to anyone; "
+    "set a non-empty key, or give neither to serve without authentication"
 )
 
 
@@ -34,7 +34,7 @@ class ServerConfig:
     max_prompts_per_request: int = 64  # /v1/completions with more prompts in one request gets 400
 
     def __post_init__(self) -> None:
-        if self.api_key is not None and not self.api_key:
+        if self.api_key is not None and not self.api_key.strip():
             raise ConfigError(EMPTY_API_KEY)
         if self.max_request_bytes < 1:
             raise ConfigError(f"max_request_bytes={self.max_request_bytes}: must be at least 1")
