@@ -72,6 +72,22 @@ def test_taps_are_layer_outputs(tmp_path):
     torch.testing.assert_close(taps[0, :, 32:], ref.hidden_states[3][0, 2:])
 
 
+def test_a_last_layer_tap_is_the_raw_layer_output_not_the_final_norm(tmp_path):
+    target_dir, _ = tiny_qwen3(tmp_path)
+    target = HFTarget.load(target_dir)
+    ids = [[0, 5, 6, 7, 8], [0, 9, 10]]
+    raw = []
+    hook = target.model.model.layers[3].register_forward_hook(lambda m, a, out: raw.append(out))
+    with torch.no_grad():
+        ref = target.model(torch.tensor([ids[0]]), output_hidden_states=True)
+    hook.remove()
+    _, taps = target.forward_rows(ids, [1, 1], (-1, 3), last_only=False)
+    last = raw[0][0] if isinstance(raw[0], tuple) else raw[0]
+    torch.testing.assert_close(taps[0, :, 32:], last[0, 1:])
+    torch.testing.assert_close(taps[0, :, :32], target.model.model.embed_tokens(torch.tensor(ids[0][1:])))
+    assert not torch.allclose(taps[0, :, 32:], ref.hidden_states[4][0, 1:])  # post-norm: not what a tap reads
+
+
 @pytest.mark.parametrize("method", ["dspark", "dflash", "ngram"])
 def test_hf_target_speculative_greedy_equals_target_only(tmp_path, method):
     target_dir, draft_dir = tiny_qwen3(tmp_path)

@@ -8,17 +8,18 @@ import sys
 from collections.abc import Sequence
 
 from dspark.cli_common import default_spec, model_or_demo
-from dspark.config import ConfigError
+from dspark.config import DTYPES, ConfigError
 
 # ---- roster ---------------------------------------------------------------------------------------------
 
 
 def cmd_roster(args: argparse.Namespace) -> int:
+    from dspark.checkpoint.resolve import resolve_model_ref
     from dspark.checkpoint.roster import format_roster, roster_json
     from dspark.config import DraftConfig
     from dspark.models.loading import draft_roster, read_config_any, target_roster
 
-    cfg = read_config_any(args.config)
+    cfg = read_config_any(resolve_model_ref(args.config, role="roster"))
     roster = draft_roster(cfg) if isinstance(cfg, DraftConfig) else target_roster(cfg)
     if args.json:
         print(json.dumps(roster_json(roster)))
@@ -29,7 +30,7 @@ def cmd_roster(args: argparse.Namespace) -> int:
 
 def add_roster(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("roster", help="expected tensor names, shapes and parameter count (meta device)")
-    p.add_argument("config", help="config.json of a target (deepseek_v3) or a drafter (k3_dspark), or its dir")
+    p.add_argument("config", help="config.json of a target (deepseek_v3) or a drafter (k3_dspark), its dir or hub id")
     p.add_argument("--json", action="store_true", help='print {"tensors": {name: [dims]}, "num_params": int}')
     p.set_defaults(func=cmd_roster)
 
@@ -39,8 +40,11 @@ def add_roster(sub: argparse._SubParsersAction) -> None:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from dspark.checkpoint.doctor import format_report, report_json, run_checks
+    from dspark.checkpoint.resolve import resolve_model_ref
 
-    report = run_checks(args.draft_dir, args.target)
+    draft = resolve_model_ref(args.draft_dir, role="check DRAFT")
+    target = resolve_model_ref(args.target, role="check --target") if args.target is not None else None
+    report = run_checks(draft, target)
     if args.json:
         print(json.dumps(report_json(report)))
     else:
@@ -56,8 +60,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def add_check(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("check", help="deployment doctor: check a draft (and its target) before serving")
-    p.add_argument("draft_dir", metavar="DRAFT_DIR", help="draft model directory (config.json + safetensors)")
-    p.add_argument("--target", metavar="DIR", default=None, help="target model dir (enables pairing checks)")
+    p.add_argument("draft_dir", metavar="DRAFT", help="draft model dir or hub id org/name[@rev] (local caches)")
+    p.add_argument("--target", metavar="MODEL", default=None, help="target dir or hub id (enables pairing checks)")
     p.add_argument("--json", action="store_true", help='print {"ok": bool, "problems": [{"check", "message", "fix"}]}')
     p.set_defaults(func=cmd_check)
 
@@ -213,14 +217,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
-    p.add_argument("--model", default=None, help="target model dir (default: the bundled k3-mini pair)")
+    p.add_argument("--model", default=None, help="target dir, .gguf or hub id (default: the bundled k3-mini pair)")
     p.add_argument("--speculative-config", default=None, help='vLLM-style JSON or @file, e.g. \'{"method": "dspark"}\'')
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--temperature", type=float, default=temperature)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
 
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
@@ -271,7 +275,7 @@ def add_verify_lossless(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--model", default=None)
     p.add_argument("--speculative-config", default=None)
-    p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.set_defaults(func=cmd_verify_lossless, no_spec=False)
 
 

@@ -611,6 +611,76 @@ def _missing(source: str, key: str) -> int:
 
 SPEC_METHODS = ("dspark", "dflash", "ngram")
 
+# Attention backends that run here: "torch" (explicit matmul + softmax, the reference) and "sdpa"
+# (torch.nn.functional.scaled_dot_product_attention, the fused kernel torch has on CPU).
+ATTENTION_BACKENDS = ("torch", "sdpa")
+# vLLM's AttentionBackendEnum names for dense (non-sparse) attention, and what runs in their place here:
+# every fused GPU kernel (FlashInfer, FlashAttention, FlashMLA, CUTLASS, Triton, ...) becomes torch's fused
+# SDPA kernel; TORCH_SDPA is that kernel already. Sparse-MLA backends need a sparse model and are not accepted.
+VLLM_ATTENTION_BACKENDS: dict[str, str] = {
+    name: "sdpa"
+    for name in (
+        "FLASHINFER_MLA",
+        "FLASH_ATTN_MLA",
+        "TRITON_MLA",
+        "CUTLASS_MLA",
+        "FLASHMLA",
+        "ROCM_AITER_MLA",
+        "ROCM_AITER_TRITON_MLA",
+        "TOKENSPEED_MLA",
+        "FLASH_ATTN",
+        "FLASH_ATTN_DIFFKV",
+        "FLASHINFER",
+        "TRITON_ATTN",
+        "ROCM_ATTN",
+        "ROCM_AITER_FA",
+        "ROCM_AITER_UNIFIED_ATTN",
+        "FLEX_ATTENTION",
+        "TREE_ATTN",
+        "XFORMERS",
+        "PALLAS",
+        "IPEX",
+        "CPU_ATTN",
+        "TORCH_SDPA",
+    )
+}
+_RUNS_AS_IS = ("TORCH_SDPA",)
+
+
+class BackendSubstitutionWarning(UserWarning):
+    """A vLLM attention backend named in a config is not available here; another one runs in its place."""
+
+
+def attention_backend(name: str | None, source: str, key: str = "attention_backend") -> str | None:
+    """The backend that runs here for a configured name (None = default). vLLM names are case-insensitive and
+    'auto' means the default, as in vLLM; an unknown name is an error listing every accepted one."""
+    if name is None:
+        return None
+    if not isinstance(name, str):
+        raise _fail(source, key, name, "must be a backend name (a string) or null")
+    if name.lower() == "auto":
+        return None
+    if name in ATTENTION_BACKENDS:
+        return name
+    upper = name.upper()
+    if upper not in VLLM_ATTENTION_BACKENDS:
+        accepted = ["auto", *ATTENTION_BACKENDS, *sorted(VLLM_ATTENTION_BACKENDS)]
+        raise _fail(source, key, name, f"unknown attention backend; accepted (case-insensitive): {accepted}")
+    return VLLM_ATTENTION_BACKENDS[upper]
+
+
+def _warn_substitute(name: str | None, source: str) -> None:
+    if name is None or name.upper() not in VLLM_ATTENTION_BACKENDS or name.upper() in _RUNS_AS_IS:
+        return
+    import warnings
+
+    warnings.warn(
+        f"{source}: attention_backend {name!r} is not available on this machine (torch CPU); "
+        f"running '{VLLM_ATTENTION_BACKENDS[name.upper()]}' (torch scaled_dot_product_attention) instead",
+        BackendSubstitutionWarning,
+        stacklevel=4,
+    )
+
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
@@ -642,14 +712,19 @@ class SpeculativeConfig:
             not isinstance(self.dspark_draft_topk, int) or self.dspark_draft_topk < 1
         ):
             raise _fail(src, "dspark_draft_topk", self.dspark_draft_topk, "must be null or a positive integer")
-        if self.attention_backend not in (None, "torch", "sdpa"):
-            raise _fail(src, "attention_backend", self.attention_backend, "use null, 'torch' or 'sdpa' on CPU")
+        attention_backend(self.attention_backend, src)  # validates; the substitute is announced once below
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise _fail(src, "prompt_lookup_min", self.prompt_lookup_min, "need 1 <= min <= prompt_lookup_max")
         if not 0 <= self.min_verify_len <= self.num_speculative_tokens:
             raise _fail(src, "min_verify_len", self.min_verify_len, "must be in [0, num_speculative_tokens]")
         if self.enable_adaptive_verification and self.method == "ngram":
             raise _fail(src, "enable_adaptive_verification", True, "needs a drafter with a confidence head")
+        _warn_substitute(self.attention_backend, src)
+
+    @property
+    def draft_attention_backend(self) -> str | None:
+        """What runs the drafter's attention here: 'torch', 'sdpa' or None (the drafter's default)."""
+        return attention_backend(self.attention_backend, "speculative config")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> SpeculativeConfig:
@@ -685,14 +760,25 @@ class SpeculativeConfig:
 # --------------------------------------------------------------------------------------------------------
 
 
+DTYPES = ("bfloat16", "float16", "float32")  # --dtype / EngineConfig.dtype: weights, activations and KV pages
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     page_size: int = 16
     num_pages: int | None = None  # None: derived from max_num_seqs * max_model_len
-    swap_space: int = 0
+    swap_space: float | None = None  # vLLM's CPU swap (GiB): only 0/None, preempted requests are recomputed
 
     def __post_init__(self) -> None:
         _positive("cache config", page_size=self.page_size, num_pages=self.num_pages)
+        if self.swap_space not in (None, 0):
+            raise _fail(
+                "cache config",
+                "swap_space",
+                self.swap_space,
+                "swapping KV pages is not supported: this engine keeps its pages in host memory and recomputes "
+                "preempted requests; pass 0 or omit it",
+            )
 
 
 @dataclass(frozen=True)
@@ -714,5 +800,5 @@ class EngineConfig:
             max_model_len=self.max_model_len,
             max_waiting=self.max_waiting,
         )
-        if self.dtype not in ("bfloat16", "float32", "float16"):
-            raise _fail(src, "dtype", self.dtype, "use 'bfloat16' or 'float32'")
+        if self.dtype not in DTYPES:
+            raise _fail(src, "dtype", self.dtype, f"use one of {list(DTYPES)}")

@@ -26,9 +26,10 @@ def bundled_available() -> bool:
 
 
 def resolve_model(model: str | Path | None) -> Path:
-    """The HF directory of a model reference (directory, ``.gguf`` file, alias); the bundled target by default."""
+    """The local HF directory of a model reference (directory, ``.gguf`` file, alias, hub id in the local
+    HF/ModelScope cache; see dspark.checkpoint.resolve); the bundled target by default."""
     if model is not None:
-        return resolve_model_ref(model)
+        return resolve_model_ref(model, role="model")
     if not (BUNDLED_TARGET / "config.json").exists():
         raise ConfigError(
             f"no --model given and the bundled model is missing at {BUNDLED_TARGET}; pass --model DIR "
@@ -41,7 +42,7 @@ def resolve_draft(spec: SpeculativeConfig, target_dir: Path) -> Path | None:
     if spec.method == "ngram":
         return None
     if spec.model:
-        return Path(spec.model)
+        return resolve_model_ref(spec.model, role="speculative config: model")
     if target_dir.resolve() == BUNDLED_TARGET.resolve():
         if spec.method == "dflash" and (BUNDLED_DFLASH / "config.json").exists():
             return BUNDLED_DFLASH
@@ -68,32 +69,35 @@ def build_engines(
     seed: int = 0,
     max_num_batched_tokens: int = 2048,
     max_waiting: int = 256,
+    swap_space: float | None = None,
 ) -> list[Engine]:
     """One engine per speculative config, all sharing one loaded target (and drafters per directory)."""
     target_dir = resolve_model(model)
     specs = [_parse_spec(s) for s in speculative_configs]
+    ecfg = EngineConfig(
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        dtype=dtype,
+        seed=seed,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_waiting=max_waiting,
+    )
+    cache = CacheConfig(page_size=page_size, num_pages=num_pages, swap_space=swap_space)
     target = _load_any_target(target_dir, dtype)
     tok = load_tokenizer(target_dir, target.config.vocab_size, target.config.eos_token_ids)
-    drafters: dict[Path, Any] = {}
+    drafters: dict[tuple[Path, str | None], Any] = {}  # one drafter per (directory, attention backend)
     engines = []
     for spec in specs:
         draft_dir = resolve_draft(spec, target_dir) if spec is not None else None
         drafter = None
-        if draft_dir is not None:
-            if draft_dir not in drafters:
-                drafters[draft_dir] = load_drafter(draft_dir, target, dtype)
-            drafter = drafters[draft_dir]
+        if spec is not None and draft_dir is not None:
+            key = (draft_dir, spec.draft_attention_backend)
+            if key not in drafters:
+                drafters[key] = load_drafter(draft_dir, target, dtype)
+                drafters[key].set_attention_backend(spec.draft_attention_backend)
+            drafter = drafters[key]
         _check_pair(spec, drafter, draft_dir)
         adaptive = load_adaptive(spec, draft_dir, target_dir) if spec and spec.enable_adaptive_verification else None
-        ecfg = EngineConfig(
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            dtype=dtype,
-            seed=seed,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_waiting=max_waiting,
-        )
-        cache = CacheConfig(page_size=page_size, num_pages=num_pages)
         engine = Engine(target, drafter, spec, ecfg, cache, tok, adaptive)
         engine.model_dir = target_dir  # type: ignore[attr-defined]
         engine.draft_dir = draft_dir  # type: ignore[attr-defined]

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from dspark.cli_common import float_list, int_list
-from dspark.config import ConfigError
+from dspark.config import DTYPES, ConfigError
 
 METHODS_HELP = "ar,dspark,dflash,ngram,hf-generate,hf-prompt-lookup,dspark-adaptive,vllm,vllm-ngram"
 
@@ -107,7 +107,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--context-prompts", type=int, default=4, help="prompts per context depth")
     p.add_argument("--context-source", default=None, help="corpus-format JSONL of code used as padding")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens per prompt")

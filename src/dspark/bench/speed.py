@@ -190,6 +190,7 @@ class Resolved:
 
 
 def resolve_dirs(cfg: BenchConfig) -> Resolved:
+    from dspark.checkpoint.resolve import resolve_model_ref
     from dspark.llm import BUNDLED_DFLASH, BUNDLED_DRAFT, BUNDLED_TARGET, bundled_available
 
     if cfg.model is None and not bundled_available():
@@ -210,8 +211,9 @@ def resolve_dirs(cfg: BenchConfig) -> Resolved:
 
         target_dir, demo = resolve_model(cfg.model), False
         bundled = target_dir.resolve() == BUNDLED_TARGET.resolve()
-        draft_dir = Path(cfg.draft) if cfg.draft else (BUNDLED_DRAFT if bundled else None)
-    dflash_dir = Path(cfg.dflash_draft) if cfg.dflash_draft else None
+        draft_dir = resolve_model_ref(cfg.draft, role="--draft") if cfg.draft else None
+        draft_dir = draft_dir or (BUNDLED_DRAFT if bundled else None)
+    dflash_dir = resolve_model_ref(cfg.dflash_draft, role="--dflash-draft") if cfg.dflash_draft else None
     if dflash_dir is None and not demo and bundled and (BUNDLED_DFLASH / "config.json").exists():
         dflash_dir = BUNDLED_DFLASH
     head_off = dflash_dir is None and draft_dir is not None

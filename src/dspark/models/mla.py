@@ -5,6 +5,8 @@ Reference: k3-mla-architecture.md §3. Two paths over the same weights:
 - ``absorbed``: fold W_UK into the query and W_UV into the output so attention runs directly on the cached
   (kv_lora_rank + rope dim)-wide latent (576 for K3) with one shared "KV head".
 The cache only ever holds the latent ``[kv_a_layernorm(c_kv) | rope(k_pe)]``.
+Either path runs its softmax(QKᵀ)V with one of two backends (``backend``): "torch" (explicit matmul + fp32
+softmax, the reference) or "sdpa" (torch's fused scaled_dot_product_attention kernel).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dspark.config import MLAConfig
@@ -28,10 +31,11 @@ class LatentStore(Protocol):
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: MLAConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: MLAConfig, layer_idx: int, backend: str = "torch") -> None:
         super().__init__()
         self.cfg = cfg
         self.layer_idx = layer_idx
+        self.backend = backend  # "torch" | "sdpa"
         H, D = cfg.num_heads, cfg.hidden_size
         if cfg.q_lora_rank is None:
             self.q_proj = nn.Linear(D, H * cfg.qk_head_dim, bias=False)
@@ -87,6 +91,9 @@ class MLAttention(nn.Module):
         k_pe = kv[..., None, C:].expand(B, S, H, self.cfg.qk_rope_head_dim)
         q = torch.cat((q_nope, q_pe), -1).transpose(1, 2)  # [B, H, T, Dn+R]
         k = torch.cat((k_nope, k_pe), -1).transpose(1, 2)  # [B, H, S, Dn+R]
+        if self.backend == "sdpa":
+            out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), attn_mask=mask[:, None], scale=self.scale)
+            return out.transpose(1, 2).flatten(2)
         scores = (q.float() @ k.float().transpose(-1, -2)) * self.scale
         scores = scores.masked_fill(~mask[:, None], float("-inf"))
         probs = scores.softmax(-1).to(v.dtype)
@@ -101,6 +108,13 @@ class MLAttention(nn.Module):
         C = self.cfg.kv_lora_rank
         w_uk, w_uv = self._w_uk_uv()
         q_lat = torch.einsum("bthd,hdc->bhtc", q_nope, w_uk)  # [B, H, T, C]
+        if self.backend == "sdpa":  # MQA: H query heads over one 576-wide KV head, values = its first C
+            q = torch.cat((q_lat, q_pe.transpose(1, 2)), -1)  # [B, H, T, C+R]
+            kv1 = kv[:, None]  # [B, 1, S, C+R]
+            o_lat = F.scaled_dot_product_attention(
+                q, kv1, kv1[..., :C], attn_mask=mask[:, None], scale=self.scale, enable_gqa=True
+            )  # [B, H, T, C]
+            return torch.einsum("bhtc,hdc->bthd", o_lat, w_uv).flatten(2)
         q = torch.cat((q_lat, q_pe.transpose(1, 2)), -1).reshape(B, H * T, -1)  # heads share one KV head
         scores = (q @ kv.transpose(1, 2)).float() * self.scale  # [B, H·T, S]
         scores = scores.view(B, H, T, -1).masked_fill(~mask[:, None], float("-inf"))

@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Mapping
 
-from dspark.config import EngineConfig
+from dspark.config import DTYPES, ConfigError, EngineConfig
 from dspark.serve.state import ServerConfig
 
 API_KEY_ENV = "DSPARK_API_KEY"
@@ -55,6 +55,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = server_config(args, os.environ)  # refuse a bad key or limit before loading the model
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(name)s %(message)s")
+    if args.model_positional is not None:
+        if args.model is not None and args.model_positional != args.model:
+            raise ConfigError(f"serve: MODEL {args.model_positional!r} and --model {args.model!r} differ; give one")
+        args.model = args.model_positional
     model, demo = model_or_demo(args.model)
     spec = default_spec(args, model if demo else None)
     engine = build_engine(
@@ -86,7 +90,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, "
         "GET /metrics (Prometheus, vLLM names), GET /version, POST /tokenize, POST /detokenize.",
     )
-    p.add_argument("--model", default=None, help="target model dir (default: the bundled k3-mini pair)")
+    p.add_argument(
+        "model_positional",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="target: a model dir, a .gguf file or a hub id org/name[@rev] in the local HF/ModelScope cache "
+        "(as `vllm serve MODEL`; default: the bundled k3-mini pair)",
+    )
+    p.add_argument("--model", default=None, help="the same as MODEL (kept for scripts)")
     p.add_argument("--speculative-config", default=None, help='vLLM-style JSON or @file, e.g. \'{"method": "dspark"}\'')
     p.add_argument("--no-spec", action="store_true", help="serve without speculative decoding")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
@@ -110,6 +122,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--num-pages", type=int, default=None, help="KV cache pages (default: sized for max-num-seqs)")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--dtype", default=d.dtype, choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default=d.dtype, choices=DTYPES)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from dspark.config import DTYPES
 from dspark.engine.engine import Engine
 from dspark.sampling_params import SamplingParams
 from dspark.spec.schedule import calibrate, calibration_report, fit_sts, save_sts, survival
@@ -210,5 +211,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bins", type=int, default=20, help="ECE bins (default 20)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=16, help="decode batch size")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     p.set_defaults(func=cmd_calibrate, no_spec=False)
