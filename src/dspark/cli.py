@@ -16,11 +16,16 @@ from dspark.config import DTYPES, ConfigError
 def cmd_roster(args: argparse.Namespace) -> int:
     from dspark.checkpoint.resolve import resolve_model_ref
     from dspark.checkpoint.roster import format_roster, roster_json
-    from dspark.config import DraftConfig
-    from dspark.models.loading import draft_roster, read_config_any, target_roster
+    from dspark.config import DraftConfig, KimiLinearConfig
+    from dspark.models.loading import draft_roster, kimi_roster, read_config_any, target_roster
 
     cfg = read_config_any(resolve_model_ref(args.config, role="roster"))
-    roster = draft_roster(cfg) if isinstance(cfg, DraftConfig) else target_roster(cfg)
+    if isinstance(cfg, DraftConfig):
+        roster = draft_roster(cfg)
+    elif isinstance(cfg, KimiLinearConfig):
+        roster = kimi_roster(cfg)
+    else:
+        roster = target_roster(cfg)
     if args.json:
         print(json.dumps(roster_json(roster)))
     else:
