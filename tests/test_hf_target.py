@@ -10,7 +10,7 @@ from dspark.llm import LLM, build_engines
 from dspark.models.drafter import DSparkDrafter
 from dspark.models.hf_target import HFTarget
 from dspark.models.loading import save_drafter
-from dspark.models.tiny import randomize_
+from dspark.models.tiny import mark_random_weights, randomize_
 from dspark.sampling_params import SamplingParams
 
 
@@ -33,6 +33,7 @@ def tiny_qwen3(tmp_path):
     with torch.no_grad():
         model.lm_head.weight.mul_(20)
     model.save_pretrained(tmp_path / "qwen3")
+    mark_random_weights(tmp_path / "qwen3")  # no tokenizer: random test weights run on bytes
     draft_cfg = DraftConfig.from_dict(
         {
             "architectures": ["Qwen3DSparkModel"],
@@ -44,7 +45,7 @@ def tiny_qwen3(tmp_path):
             "num_key_value_heads": 2,
             "head_dim": 8,
             "vocab_size": 80,
-            "rope_theta": 1000000.0,
+            "rope_theta": 10000.0,  # the target's (Qwen3Config default); the doctor refuses a mismatch
             "num_target_layers": 4,
             "block_size": 7,
             "target_layer_ids": [0, 2],

@@ -44,8 +44,8 @@ def add_roster(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from dspark.checkpoint.doctor import format_report, report_json, run_checks
     from dspark.checkpoint.resolve import resolve_model_ref
+    from dspark.doctor import format_report, report_json, run_checks
 
     draft = resolve_model_ref(args.draft_dir, role="check DRAFT")
     target = resolve_model_ref(args.target, role="check --target") if args.target is not None else None

@@ -14,6 +14,10 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+# config.json key that marks a model as explicitly random test weights (dspark.models.tiny): only such models
+# may run without a tokenizer file (bytes stand in for text)
+RANDOM_WEIGHTS_KEY = "dspark_random_weights"
+
 
 class ConfigError(ValueError):
     """A configuration value is missing or invalid; the message names the key and the fix."""

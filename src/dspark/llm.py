@@ -9,6 +9,7 @@ from typing import Any
 
 from dspark.checkpoint.resolve import resolve_model_ref
 from dspark.config import CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
+from dspark.doctor.gate import check_before_load, check_finite
 from dspark.engine.engine import Engine, RequestOutput, load_adaptive
 from dspark.models.loading import load_drafter, load_target
 from dspark.sampling_params import SamplingParams
@@ -83,17 +84,20 @@ def build_engines(
         max_waiting=max_waiting,
     )
     cache = CacheConfig(page_size=page_size, num_pages=num_pages, swap_space=swap_space)
+    draft_dirs = [resolve_draft(spec, target_dir) if spec is not None else None for spec in specs]
+    check_before_load(target_dir, draft_dirs)  # the doctor refuses what `dspark check` rejects
     target = _load_any_target(target_dir, dtype)
+    check_finite(target, f"target {target_dir}")
     tok = load_tokenizer(target_dir, target.config.vocab_size, target.config.eos_token_ids)
     drafters: dict[tuple[Path, str | None], Any] = {}  # one drafter per (directory, attention backend)
     engines = []
-    for spec in specs:
-        draft_dir = resolve_draft(spec, target_dir) if spec is not None else None
+    for spec, draft_dir in zip(specs, draft_dirs):
         drafter = None
         if spec is not None and draft_dir is not None:
             key = (draft_dir, spec.draft_attention_backend)
             if key not in drafters:
                 drafters[key] = load_drafter(draft_dir, target, dtype)
+                check_finite(drafters[key], f"draft {draft_dir}")  # its own weights (embedding/lm_head borrowed)
                 drafters[key].set_attention_backend(spec.draft_attention_backend)
             drafter = drafters[key]
         _check_pair(spec, drafter, draft_dir)
