@@ -452,13 +452,29 @@ class KimiLinearConfig:
     layer_types: tuple[str, ...]
     mlp_layer_types: tuple[str, ...]
     mla_norm_eps: float = 1e-6  # q_a/kv_a layernorms (transformers' KimiLinearAttention builds them with 1e-6)
+    # Kimi K3 additions (models/k3.py); off for Kimi Linear
+    hidden_act: str = "silu"  # "silu" (SwiGLU) | "situ"
+    situ_betas: tuple[float, float] = (4.0, 25.0)
+    moe_latent_size: int | None = None  # routed experts in a latent space of this width
+    attn_res_block_size: int | None = None  # AttnRes replaces the residual stream
 
     def __post_init__(self) -> None:
+        src = "kimi_linear config.json"
         n = self.base.num_hidden_layers
         if len(self.layer_types) != n or len(self.mlp_layer_types) != n:
-            raise _fail("kimi_linear config.json", "layer_types", self.layer_types, f"need {n} entries")
+            raise _fail(src, "layer_types", self.layer_types, f"need {n} entries")
         if "sparse" in self.mlp_layer_types and not self.base.is_moe:
-            raise _fail("kimi_linear config.json", "num_experts", None, "sparse mlp_layer_types need experts")
+            raise _fail(src, "num_experts", None, "sparse mlp_layer_types need experts")
+        if self.hidden_act not in ("silu", "situ"):
+            raise _fail(src, "hidden_act", self.hidden_act, "use 'silu' or 'situ'")
+        _positive(src, moe_latent_size=self.moe_latent_size, attn_res_block_size=self.attn_res_block_size)
+        if len(self.situ_betas) != 2 or min(self.situ_betas) <= 0:
+            raise _fail(src, "situ_betas", self.situ_betas, "two positive numbers (gate, up), K3: [4, 25]")
+
+    @property
+    def tap_streams(self) -> tuple[str, ...]:
+        """Streams a drafter may tap; the first is the default (K3 / AttnRes: "prefix")."""
+        return ("prefix", "residual") if self.attn_res_block_size else ("residual",)
 
     @property
     def num_hidden_layers(self) -> int:
@@ -498,7 +514,8 @@ class KimiLinearConfig:
             "topk_method": "noaux_tc",
             "scoring_func": "sigmoid",
         }
-        base = TargetConfig.from_dict({**d, **base_keys}, source)
+        act = d.get("hidden_act", "silu")
+        base = TargetConfig.from_dict({**d, **base_keys, "hidden_act": "silu"}, source)  # the FFN act is ours
         base = replace(base, model_type="kimi_linear", mla_use_nope=bool(d.get("mla_use_nope", True)))
         lac = d.get("linear_attn_config") or {}
         kda = KDAConfig(
@@ -509,7 +526,16 @@ class KimiLinearConfig:
             rms_norm_eps=base.rms_norm_eps,
             gate_lower_bound=lac.get("gate_lower_bound"),
         )
-        return cls(base, kda, _kimi_layer_types(d, n, source), _kimi_mlp_types(d, n, source))
+        return cls(
+            base,
+            kda,
+            _kimi_layer_types(d, n, source),
+            _kimi_mlp_types(d, n, source),
+            hidden_act=act,
+            situ_betas=tuple(float(b) for b in d.get("situ_betas", (4.0, 25.0))),
+            moe_latent_size=d.get("moe_latent_size"),
+            attn_res_block_size=d.get("attn_res_block_size"),
+        )
 
     @classmethod
     def load(cls, path: str | Path) -> KimiLinearConfig:
@@ -548,6 +574,12 @@ class KimiLinearConfig:
         }
         if self.kda.gate_lower_bound is not None:
             d["linear_attn_config"]["gate_lower_bound"] = self.kda.gate_lower_bound
+        d["hidden_act"] = self.hidden_act
+        if self.hidden_act == "situ":
+            d["situ_betas"] = list(self.situ_betas)
+        for key in ("moe_latent_size", "attn_res_block_size"):
+            if getattr(self, key) is not None:
+                d[key] = getattr(self, key)
         return d
 
 
@@ -556,6 +588,7 @@ class KimiLinearConfig:
 # --------------------------------------------------------------------------------------------------------
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+TAP_STREAMS = ("prefix", "residual")
 DRAFT_ARCHITECTURES = ("K3DSparkModel", "Qwen3DSparkModel")
 
 
@@ -594,6 +627,9 @@ class DraftConfig:
     confidence_head_with_markov: bool = True
     block_size: int | None = None
     draft_vocab_size: int | None = None
+    # which target stream the taps read: "prefix" (AttnRes prefix sum, Inferact's K3 DSpark) | "residual";
+    # None = the target's default (K3 / AttnRes: "prefix"; residual targets: "residual")
+    aux_hidden_stream: str | None = None
     rms_norm_eps: float = 1e-5
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
@@ -618,6 +654,8 @@ class DraftConfig:
             target_num_hidden_layers=self.target_num_hidden_layers,
             block_size=self.block_size,
         )
+        if self.aux_hidden_stream not in (None, *TAP_STREAMS):
+            raise _fail(src, "aux_hidden_stream", self.aux_hidden_stream, f"use one of {list(TAP_STREAMS)} or omit it")
         if self.markov_head_type not in MARKOV_HEAD_TYPES:
             raise _fail(src, "markov_head_type", self.markov_head_type, f"use one of {list(MARKOV_HEAD_TYPES)}")
         if self.markov_rank < 0:
@@ -718,6 +756,7 @@ class DraftConfig:
             confidence_head_with_markov=bool(d.get("confidence_head_with_markov", True)),
             block_size=d.get("block_size"),
             draft_vocab_size=d.get("draft_vocab_size"),
+            aux_hidden_stream=d.get("aux_hidden_stream"),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-5 if not gqa else 1e-6)),
             hidden_act=d.get("hidden_act", "silu"),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
@@ -781,6 +820,8 @@ class DraftConfig:
         }
         if self.block_size is not None:
             d["block_size"] = self.block_size
+        if self.aux_hidden_stream is not None:
+            d["aux_hidden_stream"] = self.aux_hidden_stream
         return d | dict(self.extra)
 
 
