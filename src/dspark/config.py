@@ -1022,9 +1022,12 @@ class EngineConfig:
     seed: int = 0
     log_stats_interval_s: float = 10.0
     max_waiting: int = 256
+    attention_backend: str | None = None  # target (and default draft) attention: vLLM's --attention-backend
 
     def __post_init__(self) -> None:
         src = "engine config"
+        attention_backend(self.attention_backend, src)
+        _warn_substitute(self.attention_backend, src)
         _positive(
             src,
             max_num_seqs=self.max_num_seqs,
@@ -1034,3 +1037,8 @@ class EngineConfig:
         )
         if self.dtype not in DTYPES:
             raise _fail(src, "dtype", self.dtype, f"use one of {list(DTYPES)}")
+
+    @property
+    def target_attention_backend(self) -> str | None:
+        """What runs the target's attention here: 'torch', 'sdpa' or None (each model's default)."""
+        return attention_backend(self.attention_backend, "engine config")
