@@ -43,7 +43,7 @@ class ServerConfig:
 
 
 def default_model_name(engine: Engine) -> str:
-    d = getattr(engine, "model_dir", None)
+    d = engine.model_dir
     return d.name if d is not None else "dspark"
 
 
@@ -72,7 +72,7 @@ class ServerState:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, *args)
 
     def check_model(self, model: str | None) -> None:
-        root = str(getattr(self.engine, "model_dir", ""))
+        root = str(self.engine.model_dir or "")
         if model is not None and model not in (self.model_name, root):
             raise APIError(
                 404,

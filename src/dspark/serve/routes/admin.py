@@ -16,7 +16,7 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def models(state: State) -> ModelList:
-    root = getattr(state.engine, "model_dir", None)
+    root = state.engine.model_dir
     card = ModelCard(id=state.model_name, root=str(root) if root else None, max_model_len=state.engine.max_model_len)
     return ModelList(data=[card])
 
