@@ -44,11 +44,11 @@ class SlowTokenizer:
         self.inner, self.marker = inner, marker
         self.started, self.release = threading.Event(), threading.Event()
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *args, **kw) -> list[int]:
         if self.marker in text:
             self.started.set()
             assert self.release.wait(60), "never released"
-        return self.inner.encode(text)
+        return self.inner.encode(text, *args, **kw)
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
@@ -157,10 +157,10 @@ def test_a_500_keeps_the_connection_alive(pair):
     inner = engine.tokenizer
 
     class Exploding:
-        def encode(self, text: str) -> list[int]:
+        def encode(self, text: str, *args, **kw) -> list[int]:
             if "boom" in text:
                 raise RuntimeError("tokenizer exploded")
-            return inner.encode(text)
+            return inner.encode(text, *args, **kw)
 
         def __getattr__(self, name: str):
             return getattr(inner, name)

@@ -1,8 +1,8 @@
 """From a parsed request to engine inputs: prompt token ids, checked lengths and ``SamplingParams``.
 
-Chat prompts are rendered with ``engine.tokenizer.apply_chat_template(messages)`` (the model's chat template from
-tokenizer_config.json, else the documented default); assistant turns are appended verbatim. The functions here are
-synchronous and may be slow on long text: routes run them through ``ServerState.off_loop``.
+Chat prompts are ``apply_chat_template(messages, add_generation_prompt=True)`` of the model's tokenizer (its Jinja
+``chat_template`` from tokenizer_config.json), encoded without adding special tokens (the template places them).
+The functions here are synchronous and may be slow on long text: routes run them through ``ServerState.off_loop``.
 """
 
 from __future__ import annotations
@@ -18,12 +18,8 @@ EMPTY_PROMPT = "prompt is empty; give a non-empty string or a non-empty list of 
 
 
 def encode_prompt(engine: Engine, text: str, add_special_tokens: bool = True) -> list[int]:
-    """Token ids exactly as ``Engine.add_request`` would build them from a string (BOS prepended)."""
-    ids = engine.tokenizer.encode(text)
-    bos = engine.target.config.bos_token_id
-    if add_special_tokens and bos is not None and (not ids or ids[0] != bos):
-        ids = [bos, *ids]
-    return ids
+    """Token ids exactly as AutoTokenizer gives them (``Engine.add_request`` of a string: special tokens added)."""
+    return engine.tokenizer.encode(text, add_special_tokens)
 
 
 def render_chat(engine: Engine, messages: Sequence[ChatMessage]) -> str:
@@ -45,7 +41,7 @@ def render_chat(engine: Engine, messages: Sequence[ChatMessage]) -> str:
 
 
 def encode_chat(engine: Engine, messages: Sequence[ChatMessage]) -> list[int]:
-    return encode_prompt(engine, render_chat(engine, messages))
+    return encode_prompt(engine, render_chat(engine, messages), add_special_tokens=False)  # the template's own
 
 
 def encode_completion_prompts(engine: Engine, prompt: CompletionPrompt, max_prompts: int) -> list[list[int]]:

@@ -23,7 +23,8 @@ async def tokenize(req: TokenizeRequest, state: State) -> TokenizeResponse:
 
 def _encode(state: ServerState, req: TokenizeRequest) -> list[int]:
     text = req.prompt if req.prompt is not None else render_chat(state.engine, req.messages or [])
-    return encode_prompt(state.engine, text, req.add_special_tokens)
+    explicit = req.prompt is not None or "add_special_tokens" in req.model_fields_set  # chat default: vLLM's False
+    return encode_prompt(state.engine, text, req.add_special_tokens and explicit)
 
 
 @router.post("/detokenize")
