@@ -123,3 +123,50 @@ def test_torch_and_sdpa_backends_compute_the_same_attention(kind, absorbed, monk
 
 def test_every_mapped_name_runs_something_real():
     assert set(VLLM_ATTENTION_BACKENDS.values()) <= {"torch", "sdpa"}
+
+
+def _backends(module: torch.nn.Module) -> set[str]:
+    from dspark.models.drafter import GQAttention
+    from dspark.models.mla import MLAttention
+
+    return {m.backend for m in module.modules() if isinstance(m, MLAttention | GQAttention)}
+
+
+def test_engine_attention_backend_selects_the_targets_kernel_and_is_the_drafts_default(tmp_path):
+    """vLLM's engine-wide --attention-backend: the target's layers, and the draft's unless the speculative
+    config names its own (as in vLLM)."""
+    from dspark.llm import build_engines
+    from dspark.models.tiny import write_tiny_pair
+
+    target_dir, draft_dir = write_tiny_pair(tmp_path / "pair")
+    spec = {"method": "dspark", "model": str(draft_dir), "num_speculative_tokens": 3}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        inherit, own = build_engines(
+            target_dir, [spec, {**spec, "attention_backend": "torch"}], dtype="float32", attention_backend="FLASHMLA"
+        )
+    assert [issubclass(w.category, BackendSubstitutionWarning) for w in caught] == [True]  # said once
+    assert "engine config" in str(caught[0].message) and "FLASHMLA" in str(caught[0].message)
+    assert _backends(inherit.target) == {"sdpa"} and _backends(inherit.drafter) == {"sdpa"}
+    assert _backends(own.drafter) == {"torch"}
+    (default,) = build_engines(target_dir, [spec], dtype="float32")
+    assert _backends(default.target) == {"torch"} and _backends(default.drafter) == {"torch"}
+    with pytest.raises(ConfigError, match="unknown attention backend"):
+        build_engines(target_dir, [None], dtype="float32", attention_backend="NOPE")
+
+
+def test_hf_target_backend_goes_through_transformers_attn_implementation():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dspark.llm import _set_target_backend
+    from dspark.models.hf_target import HFTarget
+
+    cfg = Qwen3Config(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8,
+    )  # fmt: skip
+    target = HFTarget(Qwen3ForCausalLM(cfg).eval())
+    _set_target_backend(target, "torch")
+    assert target.model.config._attn_implementation == "eager"
+    _set_target_backend(target, "sdpa")
+    assert target.model.config._attn_implementation == "sdpa"

@@ -95,3 +95,13 @@ def test_card_command_line_serves_from_the_hf_cache_and_reports_acceptance(tmp_p
     text = log.read_text()
     assert text.count("BackendSubstitutionWarning") == 1 and "FLASHINFER_MLA" in text and "'sdpa'" in text
     assert "speculation: dspark" in text
+
+
+def test_serve_takes_the_model_positionally_and_refuses_two_different_ones(capsys: pytest.CaptureFixture[str]):
+    from dspark.cli import build_parser, main
+
+    args = build_parser().parse_args(["serve", "Org/Model@v1", "--port", "9"])
+    assert args.model_positional == "Org/Model@v1" and args.model is None
+    assert build_parser().parse_args(["serve", "--model", "d"]).model == "d"  # --model stays
+    assert main(["serve", "a", "--model", "b"]) == 1
+    assert "MODEL 'a' and --model 'b' differ" in capsys.readouterr().err

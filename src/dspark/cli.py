@@ -182,7 +182,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     spec = default_spec(args, model if demo else None)
     compare = (args.compare or args.json) and spec is not None
     configs = [spec, None] if compare else [spec]
-    engines = build_engines(model, configs, dtype=args.dtype, seed=args.seed or 0)
+    engines = build_engines(
+        model, configs, dtype=args.dtype, seed=args.seed or 0, attention_backend=args.attention_backend
+    )
     out, wall = _timed_generate(engines[0], args.prompt, params)
     tps = len(out.token_ids) / wall if wall > 0 else 0.0
     speedup = None
@@ -213,9 +215,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         line += f"  speed-up vs no speculation: {speedup:.2f}x"
     print(line, file=sys.stderr)
     c = engines[0].cache_report()
+    pages = f"{c['target_page_kind']} {c['target_width']}-wide"
+    if c["draft_page_kind"] and not c["shared_pool"]:
+        pages += f" + draft {c['draft_page_kind']} {c['draft_width']}-wide"
     print(
-        f"latent cache: {c['latent_width']}-wide pages of {c['page_size']} tokens; bytes/token: target "
-        f"{c['target_bytes_per_token']}, draft {c['draft_bytes_per_token']}",
+        f"KV cache: {pages} pages of {c['page_size']} tokens ({'one shared pool' if c['shared_pool'] else 'pools'}); "
+        f"bytes/token: target {c['target_bytes_per_token']}, draft {c['draft_bytes_per_token']}",
         file=sys.stderr,
     )
     return 0
@@ -230,6 +235,11 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    p.add_argument(
+        "--attention-backend",
+        default=None,
+        help="target attention: torch | sdpa | a vLLM backend name (runs as sdpa here); default: each model's",
+    )
 
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
@@ -248,7 +258,9 @@ def cmd_verify_lossless(args: argparse.Namespace) -> int:
 
     model, demo = model_or_demo(args.model)
     spec = default_spec(args, model if demo else None) or json.dumps({"method": "dspark"})
-    spec_engine, ar_engine = build_engines(model, [spec, None], dtype=args.dtype)
+    spec_engine, ar_engine = build_engines(
+        model, [spec, None], dtype=args.dtype, attention_backend=args.attention_backend
+    )
     prompts = load_prompts(args.dataset, args.num_prompts, getattr(spec_engine.tokenizer, "apply_chat_template", None))
     from dspark.sampling_params import SamplingParams
 
@@ -281,6 +293,11 @@ def add_verify_lossless(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--speculative-config", default=None)
     p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument(
+        "--attention-backend",
+        default=None,
+        help="target attention: torch | sdpa | a vLLM backend name (runs as sdpa here); default: each model's",
+    )
     p.set_defaults(func=cmd_verify_lossless, no_spec=False)
 
 

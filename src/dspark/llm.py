@@ -71,6 +71,7 @@ def build_engines(
     max_num_batched_tokens: int = 2048,
     max_waiting: int = 256,
     swap_space: float | None = None,
+    attention_backend: str | None = None,
 ) -> list[Engine]:
     """One engine per speculative config, all sharing one loaded target (and drafters per directory)."""
     target_dir = resolve_model(model)
@@ -82,42 +83,47 @@ def build_engines(
         seed=seed,
         max_num_batched_tokens=max_num_batched_tokens,
         max_waiting=max_waiting,
+        attention_backend=attention_backend,
     )
     cache = CacheConfig(page_size=page_size, num_pages=num_pages, swap_space=swap_space)
     draft_dirs = [resolve_draft(spec, target_dir) if spec is not None else None for spec in specs]
     check_before_load(target_dir, draft_dirs)  # the doctor refuses what `dspark check` rejects
-    target = _load_any_target(target_dir, dtype)
+    target = load_target(target_dir, dtype)
     check_finite(target, f"target {target_dir}")
+    _set_target_backend(target, ecfg.target_attention_backend)
     tok = load_tokenizer(target_dir, target.config.vocab_size, target.config.eos_token_ids)
     drafters: dict[tuple[Path, str | None], Any] = {}  # one drafter per (directory, attention backend)
     engines = []
     for spec, draft_dir in zip(specs, draft_dirs):
         drafter = None
         if spec is not None and draft_dir is not None:
-            key = (draft_dir, spec.draft_attention_backend)
+            backend = spec.draft_attention_backend or ecfg.target_attention_backend  # the target's by default
+            key = (draft_dir, backend)
             if key not in drafters:
                 drafters[key] = load_drafter(draft_dir, target, dtype)
                 check_finite(drafters[key], f"draft {draft_dir}")  # its own weights (embedding/lm_head borrowed)
-                drafters[key].set_attention_backend(spec.draft_attention_backend)
+                drafters[key].set_attention_backend(backend)
             drafter = drafters[key]
         _check_pair(spec, drafter, draft_dir)
         adaptive = load_adaptive(spec, draft_dir, target_dir) if spec and spec.enable_adaptive_verification else None
-        engine = Engine(target, drafter, spec, ecfg, cache, tok, adaptive)
-        engine.model_dir = target_dir  # type: ignore[attr-defined]
-        engine.draft_dir = draft_dir  # type: ignore[attr-defined]
-        engines.append(engine)
+        engines.append(Engine(target, drafter, spec, ecfg, cache, tok, adaptive, target_dir, draft_dir))
     return engines
 
 
-def _load_any_target(path: Path, dtype: str):
-    """DeepSeek-V3 / Kimi-K2 configs load into the MLA target; other HF causal LMs through transformers."""
-    from dspark.config import read_json
+def _set_target_backend(target: Any, backend: str | None) -> None:
+    """'torch' / 'sdpa' for every attention layer of the target: our MLA layers directly, an HF model through
+    transformers' attn_implementation ('eager' / 'sdpa')."""
     from dspark.models.hf_target import HFTarget
-    from dspark.models.loading import torch_dtype
+    from dspark.models.mla import MLAttention
 
-    if read_json(path).get("model_type", "deepseek_v3") in ("deepseek_v3", "kimi_k2", "deepseek_v2"):
-        return load_target(path, dtype)
-    return HFTarget.load(path, torch_dtype(dtype))
+    if backend is None:
+        return
+    if isinstance(target, HFTarget):
+        target.model.set_attn_implementation("eager" if backend == "torch" else "sdpa")
+        return
+    for module in target.modules():
+        if isinstance(module, MLAttention):
+            module.backend = backend
 
 
 def _check_pair(spec: SpeculativeConfig | None, drafter: Any, draft_dir: Path | None) -> None:

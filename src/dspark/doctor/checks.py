@@ -277,6 +277,10 @@ class _Context:
     def has_draft(self) -> bool:
         return self._draft_dir is not None
 
+    @property
+    def draft_path(self) -> Path | None:
+        return self._draft_dir
+
     @cached_property
     def draft_config_read(self) -> tuple[dict[str, Any] | None, Problem | None]:
         return _read_raw(self.draft_dir)
@@ -420,7 +424,7 @@ def _lfs_size(p: Path) -> str:
 def check_lfs_pointers(ctx: _Context) -> list[Problem]:
     """No file of the draft/target directories is a Git LFS pointer standing in for the real content."""
     problems = []
-    for d in (ctx._draft_dir, ctx.target_dir):
+    for d in (ctx.draft_path, ctx.target_dir):
         if d is None or not d.is_dir():
             continue
         for p in sorted(d.iterdir()):
@@ -615,7 +619,7 @@ def check_tokenizer(ctx: _Context) -> list[Problem]:
     loadable, within the vocabulary. Only explicitly random test weights may go without one."""
     tok = ctx.tokenizer
     if tok.json_path is None:
-        home = ctx.target_dir if ctx.target_dir is not None else ctx._draft_dir
+        home = ctx.target_dir if ctx.target_dir is not None else ctx.draft_path
         if ctx.random_weights():
             raise _Skip(f"{home} holds explicitly random test weights ({RANDOM_WEIGHTS_KEY}): bytes stand in for text")
         if ctx.target_dir is None:
@@ -1197,7 +1201,7 @@ def _notes(ctx: _Context) -> dict[int, tuple[str, ...]]:
 
 def lossless_command(ctx: _Context) -> str:
     target = str(ctx.target_dir) if ctx.target_dir is not None else "<target>"
-    draft = str(ctx._draft_dir) if ctx._draft_dir is not None else "<draft>"
+    draft = str(ctx.draft_path) if ctx.draft_path is not None else "<draft>"
     spec = json.dumps({"method": "dspark", "model": draft, "num_speculative_tokens": 7})
     return f"dspark verify-lossless --model {target} --speculative-config '{spec}' --dataset <prompts.jsonl>"
 

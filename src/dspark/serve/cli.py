@@ -27,6 +27,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model,
         spec,
         dtype=args.dtype,
+        attention_backend=args.attention_backend,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         num_pages=args.num_pages,
@@ -70,5 +71,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-pages", type=int, default=None, help="KV cache pages (default: sized for max-num-seqs)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--dtype", default=d.dtype, choices=DTYPES)
+    p.add_argument(
+        "--attention-backend",
+        default=None,
+        help="target attention: torch | sdpa | a vLLM backend name (runs as sdpa here); default: each model's",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
