@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dspark.cache.state import StatePool
-from dspark.models.kda import KDACache
+from dspark.models.kda import KDACache, KDAState
 from test_k3 import k3_config, random_model
 from test_kimi_linear import Latents
 
@@ -47,17 +47,19 @@ def _prefill_and_round(model, prompts, rounds, accepted, round_lengths=None):
     """Prefill the prompts (one batch), then verify ``rounds`` (ragged; valid rows ``round_lengths``, default all)
     keeping every row's state, and commit ``accepted``. Returns the state pool and the slots."""
     B = len(prompts)
-    pool = StatePool(model.config.kda, len(model.config.kda_layers), num_slots=4, dtype=torch.float32)
+    pool = StatePool(model.state_spec, num_slots=4)
     slots = torch.tensor([pool.acquire(f"r{b}") for b in range(B)])
     lat = RaggedLatents(B)
     lengths = torch.tensor([len(p) for p in prompts])
-    _forward(model, prompts, [0] * B, lat.set([0] * B, lengths.tolist()), pool.view(slots), lengths)
-    before = pool.recurrent.clone(), pool.conv.clone()
+    prefill = pool.view(slots)
+    _forward(model, prompts, [0] * B, lat.set([0] * B, lengths.tolist()), prefill, lengths)
+    prefill.commit()
+    before = pool.states.clone()
     starts = [len(p) for p in prompts]
     lengths = torch.tensor(round_lengths or [len(r) for r in rounds])
     view = pool.view(slots, keep_per_row=True)
     _forward(model, rounds, starts, lat.set(starts, [len(r) for r in rounds]), view, lengths)
-    assert torch.equal(pool.recurrent, before[0]) and torch.equal(pool.conv, before[1])  # verify writes nothing
+    assert torch.equal(pool.states, before)  # verification writes nothing before commit
     view.commit(accepted)
     return pool, slots
 
@@ -84,27 +86,38 @@ def test_state_after_rejections_equals_fresh_run(attn_res, moe):
             whole = KDACache()
             model(torch.tensor([prompts[b] + kept[b]]), states=whole)
             for layer in range(spec.num_layers):
-                state = whole.states[layer]
-                torch.testing.assert_close(spec.recurrent[layer, slots[b]], state.recurrent[0], rtol=1e-3, atol=1e-3)
-                torch.testing.assert_close(spec.conv[layer, slots[b]], state.conv[0], rtol=1e-3, atol=1e-3)
+                state = whole.states[layer][0]
+                torch.testing.assert_close(spec.states[layer, slots[b]], state, rtol=1e-3, atol=1e-3)
     tol = 1e-5 if moe else 0.0
-    torch.testing.assert_close(spec.recurrent[:, slots], fresh.recurrent[:, fslots], rtol=0, atol=tol)
-    torch.testing.assert_close(spec.conv[:, slots], fresh.conv[:, fslots], rtol=0, atol=tol)
+    torch.testing.assert_close(spec.states[:, slots], fresh.states[:, fslots], rtol=0, atol=tol)
     # a leak would show: installing the state after a rejected draft differs
-    assert not torch.allclose(leaky.recurrent[:, slots[:2]], fresh.recurrent[:, fslots[:2]], atol=1e-3)
+    assert not torch.allclose(leaky.states[:, slots[:2]], fresh.states[:, fslots[:2]], atol=1e-3)
 
 
 def test_slots_are_reused_and_zeroed():
     model = random_model(k3_config(block_size=None))
-    pool = StatePool(model.config.kda, len(model.config.kda_layers), num_slots=2, dtype=torch.float32)
+    pool = StatePool(model.state_spec, num_slots=2)
     a = pool.acquire("a")
-    pool.recurrent[:, a] = 1.0
-    assert pool.acquire("a") == a and pool.recurrent[:, a].abs().sum() == 0  # recompute after preemption: zeros
+    pool.states[:, a] = 1.0
+    assert pool.acquire("a") == a and pool.states[:, a].abs().sum() == 0  # recompute after preemption: zeros
     pool.acquire("b")
     with pytest.raises(RuntimeError, match="no free state slot"):
         pool.acquire("c")
     pool.release("a")
     assert pool.acquire("c") == a
     kda = model.config.kda
-    per_layer = kda.num_heads * kda.head_dim**2 * 4 + (kda.conv_kernel_size - 1) * 3 * kda.num_heads * kda.head_dim * 4
-    assert pool.bytes_per_request == len(model.config.kda_layers) * per_layer
+    per_layer = kda.num_heads * kda.head_dim**2 + (kda.conv_kernel_size - 1) * 3 * kda.num_heads * kda.head_dim
+    assert pool.bytes_per_request == len(model.config.kda_layers) * per_layer * 4  # fp32
+
+
+def test_pack_roundtrip():
+    model = random_model(k3_config(block_size=None))
+    kda = model.config.kda
+    state = KDAState(
+        torch.randn(2, 3, kda.conv_kernel_size - 1, 3 * kda.num_heads * kda.head_dim),
+        torch.randn(2, 3, kda.num_heads, kda.head_dim, kda.head_dim),
+    )
+    flat = state.pack()
+    assert flat.shape == (2, 3, kda.state_numel)
+    back = KDAState.unpack(flat, kda, torch.float32)
+    assert torch.equal(back.conv, state.conv) and torch.equal(back.recurrent, state.recurrent)

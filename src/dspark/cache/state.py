@@ -1,39 +1,38 @@
-"""Recurrent-state slots beside the paged pool: one slot per running request holds every KDA layer's state.
+"""Recurrent-state slots beside the paged pool: one slot per running request holds a target's per-request state.
 
-A slot is ``[L_kda, K-1, 3·H·Dk]`` conv tails + ``[L_kda, H, Dk, Dv]`` fp32 recurrent matrices. Prefill and
-plain decode write the state after each request's last row straight into its slot. Verification of
+The pool is ``[num_layers, num_slots, *StateSpec.shape]`` (for KDA: every KDA layer's recurrent matrices and conv
+tail, flat fp32). Nothing is written during a forward: a view collects the new states and ``commit`` installs them
+once the step's outcome is known. Prefill commits the state after each request's last row. Verification of
 ``[anchor, d_1..d_L]`` keeps the state after every row (the chunkwise form yields them with no extra pass) and
-leaves the slots untouched; once acceptance is known, ``commit`` installs the state after the accepted prefix,
-so rejected drafts leave no trace and nothing is recomputed. A preempted request gives its slot back and is
-recomputed from zeros when it is scheduled again.
+``commit(rows)`` installs the state after the accepted prefix, so rejected drafts leave no trace and nothing is
+recomputed. A preempted request gives its slot back and starts again from zeros when it is recomputed.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dspark.config import KDAConfig
-from dspark.models.kda import KDAState
+from dspark.models.protocol import StateSpec
 
 
 class StatePool:
-    def __init__(self, kda: KDAConfig, num_layers: int, num_slots: int, dtype: torch.dtype) -> None:
-        width = 3 * kda.num_heads * kda.head_dim
-        self.num_layers = num_layers
-        self.conv = torch.zeros(num_layers, num_slots, kda.conv_kernel_size - 1, width, dtype=dtype)
-        self.recurrent = torch.zeros(num_layers, num_slots, kda.num_heads, kda.head_dim, kda.head_dim)
+    def __init__(self, spec: StateSpec, num_slots: int) -> None:
+        self.spec = spec
+        self.states = torch.zeros(spec.num_layers, num_slots, *spec.shape, dtype=spec.dtype or torch.float32)
         self.free = list(range(num_slots - 1, -1, -1))
         self.owner: dict[str, int] = {}
 
     @property
+    def num_layers(self) -> int:
+        return self.spec.num_layers
+
+    @property
     def num_slots(self) -> int:
-        return self.conv.shape[1]
+        return self.states.shape[1]
 
     @property
     def bytes_per_request(self) -> int:
-        """State bytes of one request over every KDA layer (recurrent matrices fp32 + conv tails)."""
-        per_slot = self.conv[:, 0].numel() * self.conv.element_size()
-        return per_slot + self.recurrent[:, 0].numel() * self.recurrent.element_size()
+        return self.states[:, 0].numel() * self.states.element_size()
 
     def acquire(self, request_id: str) -> int:
         """The request's slot, zeroed (a new request, or one recomputed after preemption)."""
@@ -42,8 +41,7 @@ class StatePool:
             if not self.free:
                 raise RuntimeError(f"no free state slot for {request_id!r}: {self.num_slots} slots are all in use")
             slot = self.owner[request_id] = self.free.pop()
-        self.conv[:, slot] = 0
-        self.recurrent[:, slot] = 0
+        self.states[:, slot] = 0
         return slot
 
     def release(self, request_id: str) -> None:
@@ -57,31 +55,33 @@ class StatePool:
     def view(self, slots: torch.Tensor, keep_per_row: bool = False) -> SlotStates:
         return SlotStates(self, slots, keep_per_row)
 
+    def report(self) -> dict[str, int]:
+        return {"state_slots": self.num_slots, "state_bytes_per_request": self.bytes_per_request}
+
 
 class SlotStates:
-    """A batch's view of the pool (a ``StateStore``): reads/writes the states of ``slots`` [B]."""
+    """A batch's view of the pool (a ``StateStore``): reads the states of ``slots`` [B], collects new ones."""
 
     def __init__(self, pool: StatePool, slots: torch.Tensor, keep_per_row: bool) -> None:
         self.pool, self.slots, self.keep_per_row = pool, slots, keep_per_row
-        self.rows: dict[int, KDAState] = {}
+        self.final: dict[int, torch.Tensor] = {}
+        self.rows: dict[int, torch.Tensor] = {}
 
-    def read(self, layer: int) -> KDAState:
-        return KDAState(self.pool.conv[layer, self.slots], self.pool.recurrent[layer, self.slots])
+    def read(self, layer: int) -> torch.Tensor:
+        return self.pool.states[layer, self.slots]
 
-    def write(self, layer: int, final: KDAState, per_row: KDAState | None) -> None:
+    def write(self, layer: int, final: torch.Tensor, per_row: torch.Tensor | None) -> None:
+        self.final[layer] = final
         if self.keep_per_row:
             assert per_row is not None, "keep_per_row views need the state after every row"
-            self.rows[layer] = per_row  # installed by commit() once acceptance is known
-            return
-        self._install(layer, final)
+            self.rows[layer] = per_row
 
-    def _install(self, layer: int, state: KDAState) -> None:
-        self.pool.conv[layer, self.slots] = state.conv.to(self.pool.conv.dtype)
-        self.pool.recurrent[layer, self.slots] = state.recurrent.float()
-
-    def commit(self, rows: torch.Tensor) -> None:
-        """Install, per request b, the state after its row ``rows[b]`` (0 = the anchor alone) in every layer."""
+    def commit(self, rows: torch.Tensor | None = None) -> None:
+        """Install per request b the state after its row ``rows[b]`` (0 = the first new row), or after its last
+        valid row (rows None), in every layer."""
         b = torch.arange(len(self.slots))
-        for layer, per_row in self.rows.items():
-            self._install(layer, KDAState(per_row.conv[b, rows], per_row.recurrent[b, rows]))
+        for layer, final in self.final.items():
+            new = final if rows is None else self.rows[layer][b, rows]
+            self.pool.states[layer, self.slots] = new.to(self.pool.states.dtype)
+        self.final.clear()
         self.rows.clear()
