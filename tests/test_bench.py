@@ -183,10 +183,10 @@ def test_bench_cli_end_to_end_writes_schema_json_and_png(tmp_path, capsys):
     data = tmp_path / "prompts.jsonl"
     long = "class A:\n" + "    x = 1\n" * 60  # 609 bytes: longer than the tiny target's 512 positions allow
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("def f(x):\n", long)))
-    chat = tmp_path / "chat.jsonl"  # a second dataset: its own row group
-    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    more = tmp_path / "more.jsonl"  # a second dataset: its own row group
+    more.write_text(json.dumps({"prompt": "x = 1\ny = 2\nx = 1\ny = 2\nx = 1\n"}) + "\n")
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    argv = ["bench", "--dataset", f"{data},{chat}", "--model", str(target_dir), "--draft", str(draft_dir)]
+    argv = ["bench", "--dataset", f"{data},{more}", "--model", str(target_dir), "--draft", str(draft_dir)]
     argv += ["--num-prompts", "2", "--max-tokens", "5", "--temperature", "0,1", "--concurrency", "1,2"]
     argv += ["--context-depths", "40,80", "--context-prompts", "2", "--num-speculative-tokens", "3"]
     argv += ["--dtype", "float32", "--ignore-eos", "--quiet", "--output", str(out), "--plot", str(png)]
@@ -204,7 +204,7 @@ def test_bench_cli_end_to_end_writes_schema_json_and_png(tmp_path, capsys):
     for row in rows:
         _check_row_types(row)
         assert row["output_tokens"] == row["num_prompts"] * 5  # --ignore-eos: every method emits max_tokens
-        assert row["num_prompts"] == (1 if row["dataset"] == "chat.jsonl" else 2)
+        assert row["num_prompts"] == (1 if row["dataset"] == "more.jsonl" else 2)
     names = {r["name"] for r in rows}
     expected = {"ar", "dspark", "dflash (head off)", "ngram", "hf-generate", "hf-prompt-lookup", "dspark-adaptive"}
     assert names == expected
@@ -215,7 +215,7 @@ def test_bench_cli_end_to_end_writes_schema_json_and_png(tmp_path, capsys):
         assert (r["acceptance_length"] is not None) == spec, r["name"]
         assert (r["verify_rate"] is not None) == spec
     cells = {(r["dataset"], r["temperature"], r["concurrency"]) for r in rows}
-    assert ("prompts.jsonl", 1.0, 2) in cells and ("chat.jsonl", 0.0, 1) in cells
+    assert ("prompts.jsonl", 1.0, 2) in cells and ("more.jsonl", 0.0, 1) in cells
     assert {("prompts.jsonl@ctx40", t, 1) for t in (0.0, 1.0)} <= cells
     assert not any(r["name"].startswith("hf-") for r in rows if "@ctx" in r["dataset"])
     assert not any(r["name"] == "hf-prompt-lookup" and r["concurrency"] == 2 for r in rows)
