@@ -127,3 +127,22 @@ def test_sampled_output_matches_target_distribution(rule, draw):
     stat, dof = _chi_square(counts.flatten(), (exact * n).flatten())
     assert eng.metrics.spec.num_draft_tokens > 0
     assert stat < dof + 4 * (2 * dof) ** 0.5, (stat, dof)
+
+
+def test_verify_lossless_cli_on_a_saved_hybrid_pair(tmp_path, capsys):
+    """One loading route: a kimi_linear directory is picked by model_type and served with its drafter."""
+    import json
+
+    from dspark.cli import main
+    from dspark.models.kimi_linear import KimiLinearTarget
+    from dspark.models.loading import load_target
+    from dspark.models.tiny import write_tiny_hybrid_pair
+
+    target_dir, draft_dir = write_tiny_hybrid_pair(tmp_path)
+    assert isinstance(load_target(target_dir), KimiLinearTarget)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in [{"prompt": "def f(x):"}, {"prompt": "ab"}]))
+    spec = json.dumps({"method": "dspark", "model": str(draft_dir), "num_speculative_tokens": 3})
+    argv = ["verify-lossless", "--dataset", str(data), "--model", str(target_dir), "--speculative-config", spec]
+    assert main([*argv, "--max-tokens", "10"]) == 0
+    assert "2/2 prompts identical" in capsys.readouterr().out
