@@ -89,6 +89,7 @@ class Engine:
         adaptive: AdaptivePolicy | None = None,
         model_dir: Path | None = None,
         draft_dir: Path | None = None,
+        model_ref: str | None = None,
     ) -> None:
         self.cfg = engine_config or EngineConfig()
         self.spec = speculative_config
@@ -104,6 +105,7 @@ class Engine:
         ccfg = cache_config or CacheConfig()
         num_pages = ccfg.num_pages or math.ceil(self.cfg.max_num_seqs * min(self.max_model_len, 4096) / ccfg.page_size)
         self.model_dir, self.draft_dir = model_dir, draft_dir  # where the models came from (None: in memory)
+        self.model_ref = model_ref  # the model as the user named it (directory, .gguf, alias, hub id)
         dformat = self.drafter.page_format if self.drafter is not None else None
         dtype = next(target.parameters()).dtype
         self.pools = CachePools.build(target.page_format, dformat, num_pages, ccfg.page_size, dtype)
