@@ -318,11 +318,12 @@ def _pages_needed(lengths: Sequence[int], concurrency: int, extra: int, page: in
 def run_bench(cfg: BenchConfig) -> BenchReport:
     """Build every method on one loaded target, then run all cells interleaved; see the module docstring."""
     from dspark.bench.datasets import pad_prompts, read_bench_prompts, read_sources
+    from dspark.models.loading import read_target_config
     from dspark.tokenizer import load_tokenizer
 
     notes: list[str] = []
     res = resolve_dirs(cfg)
-    tcfg = TargetConfig.load(res.target_dir)
+    tcfg = read_target_config(res.target_dir)
     tok = load_tokenizer(res.target_dir, tcfg.vocab_size, tcfg.eos_token_ids)
     block = DraftConfig.load(res.draft_dir).block_size if res.draft_dir is not None else None
     k = cfg.num_speculative_tokens or min(SpeculativeConfig().num_speculative_tokens, block or 32)
