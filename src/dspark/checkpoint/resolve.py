@@ -36,7 +36,6 @@ __all__ = [
 HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[\w./-]+))?$")
 
 
-
 @dataclass(frozen=True)
 class PackagedModel:
     """A GGUF file shipped inside an installable Python package."""
