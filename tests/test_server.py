@@ -369,3 +369,13 @@ def test_serve_cli_is_registered_with_local_defaults():
     args = build_parser().parse_args(["serve", "--api-key", "k"])
     assert args.host == "127.0.0.1" and args.port == 8000 and args.api_key == "k"
     assert args.func.__module__ == "dspark.serve.cli"
+
+
+def test_loadtest_counts_what_the_server_sent(spec_server):
+    from dspark.serve.loadtest import run
+
+    url, engine = spec_server
+    res = run(url + "/v1", concurrency=2, n=3, max_tokens=4)
+    assert res.num_requests == 3 and res.num_errors == 0 and res.output_tokens == 12
+    assert res.acceptance_length is not None and res.acceptance_length >= 1.0
+    wait_idle(engine)

@@ -18,7 +18,7 @@ from dspark.config import ConfigError
 from dspark.models.tiny import write_tiny_pair
 from dspark.serve.app import create_app
 from dspark.serve.cli import bind_warning
-from dspark.serve.state import ServerConfig
+from dspark.serve.config import ServerConfig
 from serve_helpers import make_engine, serving
 
 

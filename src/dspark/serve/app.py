@@ -16,10 +16,11 @@ from fastapi import FastAPI
 
 from dspark import __version__
 from dspark.engine.engine import Engine
+from dspark.serve.config import ServerConfig
 from dspark.serve.errors import install_error_handlers
 from dspark.serve.middleware import ApiKeyMiddleware, BodyLimitMiddleware, ErrorMiddleware
 from dspark.serve.routes import admin, chat, completions, tokenize
-from dspark.serve.state import ServerConfig, ServerState
+from dspark.serve.state import ServerState
 
 
 def create_app(

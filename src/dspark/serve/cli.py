@@ -7,9 +7,13 @@ import ipaddress
 import os
 import sys
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from dspark.config import DTYPES, ConfigError, EngineConfig
-from dspark.serve.state import ServerConfig
+from dspark.serve.config import ServerConfig
+
+if TYPE_CHECKING:
+    from dspark.engine.engine import Engine
 
 API_KEY_ENV = "DSPARK_API_KEY"
 
@@ -49,19 +53,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from dspark.cli_common import default_spec, model_or_demo
-    from dspark.llm import build_engine
     from dspark.serve.app import create_app
 
     config = server_config(args, os.environ)  # refuse a bad key or limit before loading the model
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(name)s %(message)s")
+    engine = _engine(args)
+    app = create_app(engine, config)
+    name = app.state.dspark.model_name
+    method = engine.spec.method if engine.spec is not None else "none"
+    print(f"dspark serve: model {name!r} (speculation: {method}) on http://{args.host}:{args.port}/v1", flush=True)
+    warning = bind_warning(args.host, config.api_key)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _engine(args: argparse.Namespace) -> Engine:
+    from dspark.cli_common import default_spec, model_or_demo
+    from dspark.llm import build_engine
+
     if args.model_positional is not None:
         if args.model is not None and args.model_positional != args.model:
             raise ConfigError(f"serve: MODEL {args.model_positional!r} and --model {args.model!r} differ; give one")
         args.model = args.model_positional
     model, demo = model_or_demo(args.model)
     spec = default_spec(args, model if demo else None)
-    engine = build_engine(
+    return build_engine(
         model,
         spec,
         dtype=args.dtype,
@@ -72,15 +90,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_waiting=args.max_waiting,
     )
-    app = create_app(engine, config)
-    name = app.state.dspark.model_name
-    method = engine.spec.method if engine.spec is not None else "none"
-    print(f"dspark serve: model {name!r} (speculation: {method}) on http://{args.host}:{args.port}/v1", flush=True)
-    warning = bind_warning(args.host, config.api_key)
-    if warning:
-        print(warning, file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -1,45 +1,23 @@
-"""The one object every route shares (``ServerState``) and the server's settings (``ServerConfig``)."""
+"""The one object every route shares: ``ServerState`` (``get_state`` / ``State`` hand it to a route)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
 
-from dspark.config import ConfigError
 from dspark.engine.engine import Engine, RequestOutput
 from dspark.sampling_params import SamplingParams
 from dspark.serve.async_engine import AsyncEngine, RequestStream
+from dspark.serve.config import ServerConfig
 from dspark.serve.errors import APIError
 from dspark.serve.metrics import ServerMetrics
 from dspark.serve.protocol import ResponseMetrics, spec_metrics_of
 
 T = TypeVar("T")
-
-EMPTY_API_KEY = (
-    "the API key is empty (--api-key '' or DSPARK_API_KEY=''), which would leave the server open to anyone; "
-    "set a non-empty key, or give neither to serve without authentication"
-)
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    api_key: str | None = None  # require 'Authorization: Bearer KEY' on every route but /health
-    served_model_name: str | None = None  # model id in the API (default: the model directory's name)
-    max_request_bytes: int = 8 * 2**20  # request bodies above this get 413 (JSON of a ~1M-token prompt fits)
-    max_prompts_per_request: int = 64  # /v1/completions with more prompts in one request gets 400
-
-    def __post_init__(self) -> None:
-        if self.api_key is not None and not self.api_key.strip():
-            raise ConfigError(EMPTY_API_KEY)
-        if self.max_request_bytes < 1:
-            raise ConfigError(f"max_request_bytes={self.max_request_bytes}: must be at least 1")
-        if self.max_prompts_per_request < 1:
-            raise ConfigError(f"max_prompts_per_request={self.max_prompts_per_request}: must be at least 1")
 
 
 def default_model_name(engine: Engine) -> str:
