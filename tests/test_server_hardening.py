@@ -231,3 +231,23 @@ def test_a_public_bind_without_a_key_warns(pair, capsys, no_uvicorn):
     for host in ("127.0.0.1", "localhost", "::1", "127.0.0.2"):
         assert bind_warning(host, None) is None
     assert bind_warning("0.0.0.0", "k") is None and bind_warning("myhost.example", None) is not None
+
+
+# ---- item 14: the server is small routers over one state, not one 275-line function ----------------------------
+
+
+def test_serve_functions_are_short():
+    import ast
+    from pathlib import Path
+
+    import dspark.serve
+
+    lengths = {}
+    for f in Path(dspark.serve.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lengths[f"{f.stem}.{node.name}"] = node.end_lineno - node.lineno + 1
+    longest = max(lengths, key=lengths.get)
+    assert lengths[longest] <= 80, (longest, lengths[longest])
+    p90 = sorted(lengths.values())[int(0.9 * len(lengths))]
+    assert p90 <= 30 and lengths["app.create_app"] <= 40, (p90, lengths["app.create_app"])
