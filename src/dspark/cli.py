@@ -235,10 +235,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(line, file=sys.stderr)
     c = engines[0].cache_report()
     pages = f"{c['target_page_kind']} {c['target_width']}-wide"
-    if c["draft_page_kind"] and not c["shared_pool"]:
+    if c["shared_pool"]:
+        pages += " (target and draft layers share them)"
+    elif c["draft_page_kind"]:
         pages += f" + draft {c['draft_page_kind']} {c['draft_width']}-wide"
     print(
-        f"KV cache: {pages} pages of {c['page_size']} tokens ({'one shared pool' if c['shared_pool'] else 'pools'}); "
+        f"KV cache: {pages} pages of {c['page_size']} tokens; "
         f"bytes/token: target {c['target_bytes_per_token']}, draft {c['draft_bytes_per_token']}",
         file=sys.stderr,
     )
