@@ -127,3 +127,91 @@ def test_sampled_output_matches_target_distribution(rule, draw):
     stat, dof = _chi_square(counts.flatten(), (exact * n).flatten())
     assert eng.metrics.spec.num_draft_tokens > 0
     assert stat < dof + 4 * (2 * dof) ** 0.5, (stat, dof)
+
+
+def test_verify_lossless_cli_on_a_saved_hybrid_pair(tmp_path, capsys):
+    """One loading route: a kimi_linear directory is picked by model_type and served with its drafter."""
+    import json
+
+    from dspark.cli import main
+    from dspark.models.kimi_linear import KimiLinearTarget
+    from dspark.models.loading import load_target
+    from dspark.models.tiny import write_tiny_hybrid_pair
+
+    target_dir, draft_dir = write_tiny_hybrid_pair(tmp_path)
+    assert isinstance(load_target(target_dir), KimiLinearTarget)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in [{"prompt": "def f(x):"}, {"prompt": "ab"}]))
+    spec = json.dumps({"method": "dspark", "model": str(draft_dir), "num_speculative_tokens": 3})
+    argv = ["verify-lossless", "--dataset", str(data), "--model", str(target_dir), "--speculative-config", spec]
+    assert main([*argv, "--max-tokens", "10"]) == 0
+    assert "2/2 prompts identical" in capsys.readouterr().out
+
+
+def test_drafter_picks_the_tap_stream():
+    from dataclasses import replace
+
+    from dspark.config import ConfigError
+    from dspark.models.tiny import build_tiny_pair
+
+    tcfg = tiny_hybrid_config()
+    target, drafter = build_tiny_hybrid_pair(
+        6, tcfg, replace(tiny_draft_config(tcfg.base), aux_hidden_stream="residual")
+    )
+    spec = SpeculativeConfig(method="dspark", num_speculative_tokens=3)
+    prompts, params = prompts_for(4, 2), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got, eng = generate(target, drafter, spec, prompts, params)
+    assert eng.runner.tap_args == {"tap_stream": "residual"}  # K3's default ("prefix") is not what it asked for
+    assert got == generate(target, drafter, None, prompts, params)[0]
+    mla_target, mla_drafter = build_tiny_pair(0)
+    mla_drafter.config = replace(mla_drafter.config, aux_hidden_stream="prefix")
+    with pytest.raises(ConfigError, match="aux_hidden_stream"):
+        Engine(mla_target, mla_drafter, spec, FP32)
+
+
+def test_greedy_adaptive_verification_equals_target_only(tmp_path):
+    """Confidence-scheduled verify lengths (Algorithm 1) vary per request and round: each commits its own prefix."""
+    import warnings
+
+    from dspark.llm import build_engines
+    from dspark.models.tiny import write_tiny_hybrid_pair
+    from dspark.spec.schedule import default_cost_model, save_sts
+
+    k = 5
+    target_dir, draft_dir = write_tiny_hybrid_pair(tmp_path, seed=2)
+    save_sts(draft_dir / "sts_calibration.json", [0.4] * k)
+    cost = default_cost_model(base_ms=50.0, per_token_ms=0.2, per_request_ms=0.05, max_tokens=512, batch_sizes=(1, 64))
+    cost.save(target_dir / "sps_profile.json")
+    spec = {"method": "dspark", "model": str(draft_dir), "num_speculative_tokens": k}
+    spec |= {"enable_adaptive_verification": True, "draft_sample_method": "probabilistic"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        adaptive, plain = build_engines(target_dir, [spec, None], dtype="float32", max_num_seqs=8)
+    prompts = prompts_for(2, 5)
+    params = [SamplingParams(temperature=0, max_tokens=8 + 3 * i, ignore_eos=True) for i in range(5)]
+    ref = [o.token_ids for o in LLM.from_engine(plain).generate(prompts, params)]
+    assert [o.token_ids for o in LLM.from_engine(adaptive).generate(prompts, params)] == ref
+    assert len(set(adaptive.metrics.spec.verify_len_hist)) >= 2  # lengths vary
+
+
+@pytest.mark.parametrize("spec_on", [False, True])
+def test_a_request_failing_mid_step_leaves_the_others_states_exact(spec_on):
+    """A step that raises after the forward is rerun request by request; a request is only committed (state and
+    length) together, so the survivors' KDA states never run ahead of their tokens."""
+    target, drafter = build_tiny_hybrid_pair(8)
+    spec = SpeculativeConfig(method="dspark", num_speculative_tokens=3) if spec_on else None
+    prompts = prompts_for(9, 4)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    ref, _ = generate(target, drafter, spec, prompts[1:], params)
+    eng = Engine(target, drafter, spec, FP32)
+    real = eng._append
+
+    def faulty(req, tokens):
+        if req.prompt_ids == prompts[0] and len(req.output_ids) >= 2:  # the first request of every batch
+            raise RuntimeError("injected fault")
+        return real(req, tokens)
+
+    eng._append = faulty
+    outs = LLM.from_engine(eng).generate(prompts, params)
+    assert outs[0].finish_reason == "error"
+    assert [o.token_ids for o in outs[1:]] == ref

@@ -101,6 +101,18 @@ def test_a_tokenizer_without_chat_template_refuses_chat_with_a_message(tmp_path)
     (target_dir / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="tokenizer_config.json has no 'chat_template'"):
         load_tokenizer(target_dir).encode_chat(MESSAGES)
+    client = TestClient(create_app(build_engine(target_dir, None, dtype="float32")))
+    body = {"model": "target", "messages": MESSAGES, "max_tokens": 2}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and "has no 'chat_template'" in r.json()["error"]["message"]
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400():
+    client = TestClient(create_app(build_engine(BUNDLED_TARGET, None, dtype="float32")))
+    model = client.get("/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "messages": [{"role": "tool", "content": "x"}], "max_tokens": 2}  # user/assistant only
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and "role must be user or assistant" in r.json()["error"]["message"]
 
 
 def test_bundled_chat_template_renders_the_trained_chat_format():

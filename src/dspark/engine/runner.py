@@ -13,6 +13,7 @@ import torch
 from dspark.cache.allocator import BlockManager
 from dspark.cache.pool import CachePools
 from dspark.cache.state import SlotStates, StatePool
+from dspark.config import ConfigError
 from dspark.engine.request import Request
 from dspark.models.drafter import DSparkDrafter
 from dspark.models.protocol import Target
@@ -46,6 +47,14 @@ class ModelRunner:
         self.draft_pool = pools.draft
         self.draft_layer_offset = pools.draft_layer_offset
         self.taps = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
+        stream = drafter.config.aux_hidden_stream if drafter is not None else None
+        if stream is not None and stream not in target.tap_streams:
+            raise ConfigError(
+                f"draft config: key 'aux_hidden_stream' = {stream!r} is invalid: this target's taps can read "
+                f"{list(target.tap_streams)}; drop the key or use one of them"
+            )
+        # the drafter's stream, passed only when it is not the target's default (K3: "prefix")
+        self.tap_args = {"tap_stream": stream} if stream is not None and stream != target.tap_streams[0] else {}
         self.states = states  # per-request recurrent state slots (targets with a state_spec)
         self._pending: SlotStates | None = None  # the last forward's new states, installed by commit_states
 
@@ -91,12 +100,11 @@ class ModelRunner:
         self._pending = self.states.view(self.states.slots([r.request_id for r in reqs]), keep_per_row=per_row)
         return {"states": self._pending, "lengths": batch.lengths}
 
-    def commit_states(self, rows: Sequence[int] | None = None) -> None:
+    def commit_states(self, rows: Sequence[int] | None = None, only: int | None = None) -> None:
         """Install the last forward's states: after each request's last row, or after row ``rows[b]`` (a
-        verification's accepted prefix: 0 = the anchor alone)."""
+        verification's accepted prefix: 0 = the anchor alone); ``only``: for batch row ``only`` alone."""
         if self._pending is not None:
-            self._pending.commit(None if rows is None else torch.tensor(list(rows), dtype=torch.long))
-            self._pending = None
+            self._pending.commit(None if rows is None else torch.tensor(list(rows), dtype=torch.long), only)
 
     def release_state(self, request_id: str) -> None:
         if self.states is not None:
@@ -119,6 +127,7 @@ class ModelRunner:
         store = self.pool.view(batch.write_slots, batch.read_slots)
         rows = (batch.lengths - 1)[:, None] if last_only else None
         extra = self._state_args(reqs, starts, batch, per_row_states)
+        extra |= self.tap_args
         out = self.target(batch.ids, batch.positions, batch.mask, store, self.taps, logits_rows=rows, **extra)
         if self.drafter is not None and out.taps is not None:
             assert self.draft_pool is not None

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from jinja2 import TemplateError
+
+from dspark.config import ConfigError
 from dspark.engine.engine import Engine
 from dspark.sampling_params import SamplingParams
 from dspark.serve.errors import APIError
@@ -37,7 +40,10 @@ def render_chat(engine: Engine, messages: Sequence[ChatMessage]) -> str:
         else:
             content = m.content or ""
         turns.append({"role": m.role, "content": content})
-    return engine.tokenizer.apply_chat_template(turns)
+    try:
+        return engine.tokenizer.apply_chat_template(turns)
+    except (ConfigError, TemplateError) as e:  # no chat template, or the template refuses these messages
+        raise APIError(400, f"messages: the model's chat template cannot render them ({e})", param="messages") from e
 
 
 def encode_chat(engine: Engine, messages: Sequence[ChatMessage]) -> list[int]:
