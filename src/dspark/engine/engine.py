@@ -23,6 +23,7 @@ from dspark.engine.scheduler import PrefillChunk, Scheduler
 from dspark.models.drafter import DSparkDrafter
 from dspark.models.hf_target import HFTarget
 from dspark.models.target import MLATarget
+from dspark.profiling import scope
 from dspark.sampling_params import SamplingParams
 from dspark.spec.accept import accept, sample_next
 from dspark.spec.propose import Proposal, SamplingTensors
@@ -180,13 +181,15 @@ class Engine:
 
     # ---- the loop --------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
+        with scope("step.schedule"):
+            sched = self.scheduler.schedule()
         self.metrics.num_preemptions += len(sched.preempted)
         if sched.prefills:
             self._prefill(sched.prefills)
         decodes = [r for r in sched.decodes if not r.finished]
         if decodes:
-            sampling = self.runner.sampling_tensors(decodes, self.K + 1)
+            with scope("step.metadata"):
+                sampling = self.runner.sampling_tensors(decodes, self.K + 1)
             proposal = self._propose(decodes, sampling)  # drafter block, n-gram lookup, or none
             lengths = self._verify_lengths(decodes, proposal)  # fixed K or Algorithm 1
             logits = self._verify(decodes, proposal, lengths)  # one target forward over [anchor, d_1..d_L]
@@ -250,15 +253,22 @@ class Engine:
         logits: torch.Tensor,
         sampling: SamplingTensors,
     ) -> None:
-        if proposal is None:
-            accepted = [0] * len(reqs)
-            nxt = sample_next(logits[:, 0], sampling).tolist()
-        else:
-            rule = self.spec.rejection_sample_method if self.spec else "standard"
-            K = self.K
-            padded = torch.nn.functional.pad(logits, (0, 0, 0, K + 1 - logits.shape[1]))
-            res = accept(proposal, torch.tensor(lengths), padded, sampling, rule)
-            accepted, nxt = res.num_accepted.tolist(), res.next_token.tolist()
+        with scope("step.accept"):
+            if proposal is None:
+                accepted = [0] * len(reqs)
+                nxt = sample_next(logits[:, 0], sampling).tolist()
+            else:
+                rule = self.spec.rejection_sample_method if self.spec else "standard"
+                K = self.K
+                padded = torch.nn.functional.pad(logits, (0, 0, 0, K + 1 - logits.shape[1]))
+                res = accept(proposal, torch.tensor(lengths), padded, sampling, rule)
+                accepted, nxt = res.num_accepted.tolist(), res.next_token.tolist()
+        with scope("step.commit"):
+            self._commit(reqs, proposal, lengths, accepted, nxt)
+
+    def _commit(
+        self, reqs: list[Request], proposal: Proposal | None, lengths: list[int], accepted: list[int], nxt: list[int]
+    ) -> None:
         self.metrics.spec.num_steps += 1
         for i, req in enumerate(reqs):
             n = accepted[i]

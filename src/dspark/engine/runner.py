@@ -16,6 +16,7 @@ from dspark.engine.request import Request
 from dspark.models.drafter import DSparkDrafter
 from dspark.models.hf_target import HFTarget
 from dspark.models.target import MLATarget
+from dspark.profiling import scope
 from dspark.spec.propose import Proposal, SamplingTensors, draft_block, ngram_propose
 from dspark.spec.rng import round_counters
 
@@ -83,18 +84,21 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Run the target on new tokens, write its latents, inject drafter context; return fp32 logits
         [B, 1, V] at each request's last new row (last_only) or [B, T, V] at every row."""
-        batch = self.build(reqs, starts, tokens)
+        with scope("step.metadata"):
+            batch = self.build(reqs, starts, tokens)
         if not getattr(self.target, "paged", True):  # HF target: recompute the committed prefix, no pages
             seqs = [list(r.all_ids[:s]) + list(t) for r, s, t in zip(reqs, starts, tokens)]
             logits, taps = self.target.forward_rows(seqs, starts, self.taps, last_only)
         else:
             store = self.pool.view(batch.write_slots, batch.read_slots)
             rows = (batch.lengths - 1)[:, None] if last_only else None
-            out = self.target(batch.ids, batch.positions, batch.mask, store, self.taps, logits_rows=rows)
+            with scope("target.forward"):
+                out = self.target(batch.ids, batch.positions, batch.mask, store, self.taps, logits_rows=rows)
             logits, taps = out.logits, out.taps
         if self.drafter is not None and taps is not None:
             draft_store = self.pool.view(batch.write_slots, batch.read_slots, self.draft_layer_offset)
-            self.drafter.inject_context(taps, batch.positions, draft_store)
+            with scope("draft.context"):
+                self.drafter.inject_context(taps, batch.positions, draft_store)
         assert logits is not None
         return logits
 
@@ -109,10 +113,11 @@ class ModelRunner:
     ) -> Proposal:
         assert self.drafter is not None
         K = sampling.counters.shape[1] - 1
-        anchors = torch.tensor([r.all_ids[r.num_computed] for r in reqs], dtype=torch.long)
-        starts = [r.num_computed for r in reqs]
-        blocks = [[0] * K for _ in reqs]
-        batch = self.build(reqs, starts, blocks)
+        with scope("step.metadata"):
+            anchors = torch.tensor([r.all_ids[r.num_computed] for r in reqs], dtype=torch.long)
+            starts = [r.num_computed for r in reqs]
+            blocks = [[0] * K for _ in reqs]
+            batch = self.build(reqs, starts, blocks)
         store = self.pool.view(batch.write_slots, batch.read_slots, self.draft_layer_offset)
         return draft_block(
             self.drafter,

@@ -25,6 +25,7 @@ from dspark.models.heads import ConfidenceHead, MarkovHead
 from dspark.models.layers import RMSNorm, SwiGLU, no_empty_rows
 from dspark.models.mla import LatentStore, MLAttention
 from dspark.models.rope import RotaryEmbedding, apply_rope
+from dspark.profiling import scope
 
 # our module name prefix → DeepSpec Qwen3DSparkModel name prefix
 GQA_NAMES = {"context_proj.": "fc.", "context_norm.": "hidden_norm.", "final_norm.": "norm."}
@@ -91,9 +92,11 @@ class DraftLayer(nn.Module):
         if ctx is not None:
             assert rope_ctx is not None
             latent = torch.cat((self.self_attn.latent(ctx, *rope_ctx), latent), 1)  # context rows first
-        kv = latent if store is None else store.update(self.self_attn.layer_idx, latent)
+        with scope("cache"):
+            kv = latent if store is None else store.update(self.self_attn.layer_idx, latent)
         h = h + self.self_attn.attend_from_kv(x, *rope_block, kv, mask, absorbed)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        with scope("mlp"):
+            return h + self.mlp(self.post_attention_layernorm(h))
 
 
 @dataclass(frozen=True)

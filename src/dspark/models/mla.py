@@ -17,6 +17,7 @@ from torch import nn
 from dspark.config import MLAConfig
 from dspark.models.layers import RMSNorm
 from dspark.models.rope import apply_rope
+from dspark.profiling import scope
 
 
 class LatentStore(Protocol):
@@ -119,8 +120,10 @@ class MLAttention(nn.Module):
         absorbed: bool = True,
     ) -> torch.Tensor:
         """x [B,T,D]; cos/sin [B,T,R/2]; mask [B,T,S] (S = T without a store) → [B,T,D]."""
-        latent = self.latent(x, cos, sin)
-        kv = latent if store is None else store.update(self.layer_idx, latent)
+        with scope("attn.proj"):
+            latent = self.latent(x, cos, sin)
+        with scope("cache"):
+            kv = latent if store is None else store.update(self.layer_idx, latent)
         return self.attend_from_kv(x, cos, sin, kv, mask, absorbed)
 
     def attend_from_kv(
@@ -133,9 +136,11 @@ class MLAttention(nn.Module):
         absorbed: bool = True,
     ) -> torch.Tensor:
         """Queries from x [B,T,D] over given latents kv [B,S,C+R] → [B,T,D] (used by the drafter's block rows)."""
-        q_nope, q_pe = self.query(x, cos, sin)
-        attend = self.attend_absorbed if absorbed else self.attend_naive
-        out = attend(q_nope, q_pe, kv.to(q_nope.dtype), mask)
-        if self.cfg.use_output_gate:
-            out = out * torch.sigmoid(self.g_proj(x))
-        return self.o_proj(out)
+        with scope("attn.proj"):
+            q_nope, q_pe = self.query(x, cos, sin)
+        with scope("attn.core"):
+            attend = self.attend_absorbed if absorbed else self.attend_naive
+            out = attend(q_nope, q_pe, kv.to(q_nope.dtype), mask)
+            if self.cfg.use_output_gate:
+                out = out * torch.sigmoid(self.g_proj(x))
+            return self.o_proj(out)

@@ -19,6 +19,7 @@ from dspark.config import TargetConfig
 from dspark.models.layers import RMSNorm, SwiGLU, causal_mask, no_empty_rows
 from dspark.models.mla import LatentStore, MLAttention
 from dspark.models.rope import RotaryEmbedding
+from dspark.profiling import scope
 
 
 @dataclass(frozen=True)
@@ -79,14 +80,16 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, D] → [B, T, D]; loops over the experts that received tokens."""
         flat = x.reshape(-1, x.shape[-1])
-        idx, weights = self.gate(flat)
-        out = torch.zeros_like(flat)
-        for e in idx.unique().tolist():
-            rows, slot = (idx == e).nonzero(as_tuple=True)
-            y = self.experts[e](flat[rows]) * weights[rows, slot, None].to(flat.dtype)
-            out.index_add_(0, rows, y)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(flat)
+        with scope("moe.route"):
+            idx, weights = self.gate(flat)
+        with scope("moe.experts"):
+            out = torch.zeros_like(flat)
+            for e in idx.unique().tolist():
+                rows, slot = (idx == e).nonzero(as_tuple=True)
+                y = self.experts[e](flat[rows]) * weights[rows, slot, None].to(flat.dtype)
+                out.index_add_(0, rows, y)
+            if self.shared_experts is not None:
+                out = out + self.shared_experts(flat)
         return out.view_as(x)
 
 
@@ -101,8 +104,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h, cos, sin, mask, store: LatentStore | None, absorbed: bool) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, store, absorbed)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        with scope("norm"):
+            x = self.input_layernorm(h)
+        h = h + self.self_attn(x, cos, sin, mask, store, absorbed)
+        with scope("norm"):
+            x = self.post_attention_layernorm(h)
+        if isinstance(self.mlp, MoE):
+            return h + self.mlp(x)
+        with scope("mlp"):
+            return h + self.mlp(x)
 
 
 class _Backbone(nn.Module):
@@ -164,9 +174,10 @@ class MLATarget(nn.Module):
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
         if mask is None:
             mask = causal_mask(positions, positions)
-        mask = no_empty_rows(mask)
-        cos, sin = self.rotary.cos_sin(positions)
-        h = self.model.embed_tokens(input_ids)
+        with scope("embed"):
+            mask = no_empty_rows(mask)
+            cos, sin = self.rotary.cos_sin(positions)
+            h = self.model.embed_tokens(input_ids)
         taps: list[torch.Tensor] = []
         wanted = set(tap_layers)
         if -1 in wanted:
@@ -175,9 +186,10 @@ class MLATarget(nn.Module):
             h = layer(h, cos, sin, mask, store, absorbed)
             if i in wanted:
                 taps.append(h)
-        h = self.model.norm(h)
-        logits = None
-        if compute_logits:
-            rows = h if logits_rows is None else h.gather(1, logits_rows[..., None].expand(-1, -1, h.shape[-1]))
-            logits = self.compute_logits(rows)
+        with scope("lm_head"):
+            h = self.model.norm(h)
+            logits = None
+            if compute_logits:
+                rows = h if logits_rows is None else h.gather(1, logits_rows[..., None].expand(-1, -1, h.shape[-1]))
+                logits = self.compute_logits(rows)
         return TargetOutput(logits=logits, taps=torch.cat(taps, -1) if taps else None, hidden=h)

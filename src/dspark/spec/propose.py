@@ -9,6 +9,7 @@ import torch
 
 from dspark.models.drafter import DSparkDrafter, block_mask
 from dspark.models.mla import LatentStore
+from dspark.profiling import scope
 from dspark.spec.rng import Stream, uniforms
 from dspark.spec.sampling import process_logits, sample_inverse_cdf
 
@@ -48,7 +49,8 @@ def draft_block(
     block = torch.full((B, K), drafter.config.mask_token_id, dtype=torch.long)
     block[:, 0] = anchors
     positions = anchor_positions[:, None] + torch.arange(K)
-    out = drafter(block, positions, block_mask(anchor_positions, K, num_keys), store=store)
+    with scope("draft.backbone"):
+        out = drafter(block, positions, block_mask(anchor_positions, K, num_keys), store=store)
     base = out.base_logits
     assert base is not None
     u = uniforms(sampling.seeds, sampling.counters[:, :K], Stream.DRAFT).float().clamp(1e-7, 1 - 1e-7)
@@ -62,14 +64,16 @@ def draft_block(
         return sample_inverse_cdf(q, u[:, k])
 
     head = drafter.markov_head if use_markov else None
-    if head is not None:
-        tokens = head.sample(base, out.hidden, anchors, pick, topk).tokens
-    else:  # DFlash: base logits only
-        tokens = torch.stack([pick(base[:, k], k) for k in range(K)], 1)
-    prev_embeds = None
-    if drafter.markov_head is not None:
-        prev_embeds = drafter.markov_head.markov_w1(torch.cat((anchors[:, None], tokens[:, :-1]), 1))
-    confidence = drafter.confidence(out.hidden, prev_embeds)
+    with scope("draft.markov"):
+        if head is not None:
+            tokens = head.sample(base, out.hidden, anchors, pick, topk).tokens
+        else:  # DFlash: base logits only
+            tokens = torch.stack([pick(base[:, k], k) for k in range(K)], 1)
+    with scope("draft.confidence"):
+        prev_embeds = None
+        if drafter.markov_head is not None:
+            prev_embeds = drafter.markov_head.markov_w1(torch.cat((anchors[:, None], tokens[:, :-1]), 1))
+        confidence = drafter.confidence(out.hidden, prev_embeds)
     q = torch.stack(qs, 1) if probabilistic else None
     return Proposal(tokens, torch.full((B,), K, dtype=torch.long), q, confidence)
 
