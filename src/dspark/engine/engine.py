@@ -91,6 +91,10 @@ class Engine:
             raise ConfigError(f"speculative config: method '{self.spec.method}' needs a drafter ('model' key)")
         self.target = target
         self.drafter = drafter if self.spec is not None and self.spec.method != "ngram" else None
+        if isinstance(target, MLATarget):
+            target.fuse_for_inference()
+        if self.drafter is not None:
+            self.drafter.fuse_for_inference()
         tcfg = target.config
         self.max_model_len = self.cfg.max_model_len or min(tcfg.max_position_embeddings, 32768)
         self.tokenizer = tokenizer or ByteTokenizer(tcfg.vocab_size, tcfg.eos_token_ids)

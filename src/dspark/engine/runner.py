@@ -48,32 +48,34 @@ class ModelRunner:
         self.draft_layer_offset = target.num_layers if getattr(target, "paged", True) else 0
 
     # ---- batch building ------------------------------------------------------------------------------
-    def _slot_map(self, req: Request, end: int) -> torch.Tensor:
-        """Flat slots of positions 0..end-1 for req, from its block table."""
-        page = self.pool.page_size
-        pages = torch.tensor(self.blocks.table(req.request_id).pages, dtype=torch.long)
-        pos = torch.arange(end)
-        return pages[pos // page] * page + pos % page
+    def _page_table(self, reqs: Sequence[Request]) -> torch.Tensor:
+        """Block tables [B, P] padded with the scratch page (one tensor built from one nested list)."""
+        tables = [self.blocks.table(r.request_id).pages for r in reqs]
+        width = max(len(p) for p in tables)
+        pad = [self.pool.num_pages]
+        return torch.tensor([p + pad * (width - len(p)) for p in tables], dtype=torch.long)
 
     def build(self, reqs: Sequence[Request], starts: Sequence[int], tokens: Sequence[Sequence[int]]) -> Batch:
-        """Rows of new tokens at positions start..start+len-1 per request, causal over each request's prefix."""
-        B = len(reqs)
-        T = max(len(t) for t in tokens)
-        S = max(s + len(t) for s, t in zip(starts, tokens))
-        scratch = self.pool.scratch_slot
-        ids = torch.zeros(B, T, dtype=torch.long)
-        positions = torch.zeros(B, T, dtype=torch.long)
-        write = torch.full((B, T), scratch, dtype=torch.long)
-        read = torch.full((B, S), scratch, dtype=torch.long)
-        for i, (req, s, t) in enumerate(zip(reqs, starts, tokens)):
-            end = s + len(t)
-            slots = self._slot_map(req, end)
-            ids[i, : len(t)] = torch.tensor(list(t), dtype=torch.long)
-            positions[i, : len(t)] = torch.arange(s, end)
-            write[i, : len(t)] = slots[s:end]
-            read[i, :end] = slots
-        lengths = torch.tensor([len(t) for t in tokens], dtype=torch.long)
+        """Rows of new tokens at positions start..start+len-1 per request, causal over each request's prefix.
+
+        Built once per step for every layer, with a fixed number of tensor ops whatever the batch size: the
+        Python side only flattens the token lists and block tables."""
+        lens = [len(t) for t in tokens]
+        T, S = max(lens), max(s + n for s, n in zip(starts, lens))
+        page, scratch = self.pool.page_size, self.pool.scratch_slot
+        lengths = torch.tensor(lens, dtype=torch.long)
+        start = torch.tensor(starts, dtype=torch.long)
+        table = self._page_table(reqs)  # [B, P]
+        positions = start[:, None] + torch.arange(T)  # [B, T] (padding rows continue past the end)
+        valid = torch.arange(T) < lengths[:, None]
+        ids = torch.zeros(len(reqs), T, dtype=torch.long)
+        ids[valid] = torch.tensor([tok for t in tokens for tok in t], dtype=torch.long)
         keys = torch.arange(S)
+        end = (start + lengths)[:, None]
+        read = _slots(table, keys.expand(len(reqs), S).clamp(max=table.shape[1] * page - 1), page)
+        read = torch.where(keys < end, read, scratch)  # [B, S]
+        write = torch.where(valid, read.gather(1, positions.clamp(max=S - 1)), scratch)  # [B, T]
+        positions = torch.where(valid, positions, 0)  # padding rows: position 0, see key 0 only
         mask = keys[None, None, :] <= positions[:, :, None]
         return Batch(ids, positions, write, read, mask, lengths)
 
@@ -147,3 +149,8 @@ class ModelRunner:
             seeds=torch.tensor([r.seed for r in reqs], dtype=torch.long),
             counters=round_counters(anchor_pos, num_slots),
         )
+
+
+def _slots(table: torch.Tensor, positions: torch.Tensor, page: int) -> torch.Tensor:
+    """Flat pool slots of positions [B, N] through block tables [B, P]."""
+    return table.gather(1, positions // page) * page + positions % page

@@ -22,7 +22,7 @@ from torch import nn
 
 from dspark.config import DraftConfig
 from dspark.models.heads import ConfidenceHead, MarkovHead
-from dspark.models.layers import RMSNorm, SwiGLU, no_empty_rows
+from dspark.models.layers import RMSNorm, SwiGLU, attention_bias, no_empty_rows
 from dspark.models.mla import LatentStore, MLAttention
 from dspark.models.rope import RotaryEmbedding, apply_rope
 from dspark.profiling import scope
@@ -63,7 +63,12 @@ class GQAttention(nn.Module):
         q = apply_rope(q, cos[:, :, None], sin[:, :, None], self.interleave).transpose(1, 2)
         k, v = kv.to(q.dtype).view(B, S, 2, self.num_kv, self.head_dim).unbind(2)
         out = F.scaled_dot_product_attention(
-            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], scale=self.scale, enable_gqa=True
+            q,
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=attention_bias(mask).to(q.dtype),
+            scale=self.scale,
+            enable_gqa=True,
         )
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
@@ -125,6 +130,12 @@ class DSparkDrafter(nn.Module):
         # borrowed, not registered as parameters (never saved in model.safetensors, never trained)
         self._borrowed: dict[str, nn.Module] = {}
 
+    def fuse_for_inference(self) -> None:
+        """Fused gate|up MLP weights for inference (see MLATarget.fuse_for_inference). Idempotent."""
+        with torch.inference_mode(False), torch.no_grad():
+            for layer in self.layers:
+                layer.mlp.fuse()
+
     # ---- borrowed target modules -------------------------------------------------------------------
     def attach(self, embed_tokens: nn.Embedding, lm_head: nn.Module) -> None:
         """Use the target's embedding (always) and an lm_head (own lm_head.safetensors or the target's)."""
@@ -177,7 +188,7 @@ class DSparkDrafter(nn.Module):
             assert ctx_positions is not None
             ctx = self.fuse_context(ctx_taps)
             rope_ctx = self.rotary.cos_sin(ctx_positions)
-        mask = no_empty_rows(mask)
+        mask = attention_bias(no_empty_rows(mask))  # once for every layer
         for layer in self.layers:
             h = layer(h, ctx, rope_block, rope_ctx, mask, store, absorbed)
         h = self.final_norm(h)

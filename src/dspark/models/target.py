@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.config import TargetConfig
-from dspark.models.layers import RMSNorm, SwiGLU, causal_mask, no_empty_rows
+from dspark.models.layers import RMSNorm, SwiGLU, attention_bias, causal_mask, no_empty_rows
 from dspark.models.mla import LatentStore, MLAttention
 from dspark.models.rope import RotaryEmbedding
 from dspark.profiling import scope
@@ -78,19 +78,85 @@ class MoE(nn.Module):
             self.shared_experts = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, T, D] → [B, T, D]; loops over the experts that received tokens."""
+        """x [B, T, D] → [B, T, D]."""
         flat = x.reshape(-1, x.shape[-1])
         with scope("moe.route"):
             idx, weights = self.gate(flat)
         with scope("moe.experts"):
-            out = torch.zeros_like(flat)
-            for e in idx.unique().tolist():
-                rows, slot = (idx == e).nonzero(as_tuple=True)
-                y = self.experts[e](flat[rows]) * weights[rows, slot, None].to(flat.dtype)
-                out.index_add_(0, rows, y)
+            stacked = self.stacked_experts()
+            if stacked is None:
+                out = self._routed_loop(flat, idx, weights)
+            else:
+                out = grouped_experts(flat, idx, weights, *stacked)
             if self.shared_experts is not None:
                 out = out + self.shared_experts(flat)
         return out.view_as(x)
+
+    def _routed_loop(self, flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Reference path (training / unfused weights): one masked pass per expert that received tokens."""
+        out = torch.zeros_like(flat)
+        for e in idx.unique().tolist():
+            rows, slot = (idx == e).nonzero(as_tuple=True)
+            y = self.experts[e](flat[rows]) * weights[rows, slot, None].to(flat.dtype)
+            out.index_add_(0, rows, y)
+        return out
+
+    def fuse(self) -> None:
+        """Store the routed experts' weights stacked, gate|up as [E, 2I, D] and down as [E, D, I], with every
+        expert's parameters re-pointed as views into them (names and values unchanged; no extra memory)."""
+        if self._linked_stack() is not None:
+            return  # already fused
+        first = self.experts[0]
+        E, (inter, D) = len(self.experts), first.gate_proj.weight.shape
+        gate_up = first.gate_proj.weight.new_empty(E, 2 * inter, D)
+        down = first.down_proj.weight.new_empty(E, D, inter)
+        for e, expert in enumerate(self.experts):
+            expert.fuse(gate_up[e])
+            with torch.no_grad():
+                down[e].copy_(expert.down_proj.weight)
+            expert.down_proj.weight = nn.Parameter(down[e], requires_grad=expert.down_proj.weight.requires_grad)
+        self._stacked = (gate_up, down)
+        if self.shared_experts is not None:
+            self.shared_experts.fuse()
+
+    def stacked_experts(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(gate_up [E, 2I, D], down [E, D, I]) while every expert still lives in them; None in grad mode."""
+        return None if torch.is_grad_enabled() else self._linked_stack()
+
+    def _linked_stack(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        stacked = self.__dict__.get("_stacked")
+        if stacked is None:
+            return None
+        gate_up, down = stacked
+        for e, expert in enumerate(self.experts):
+            g = expert._linked_gate_up()
+            w = expert.down_proj.weight
+            if g is None or g.data_ptr() != gate_up[e].data_ptr() or w.data_ptr() != down[e].data_ptr():
+                return None
+        return stacked
+
+
+def grouped_experts(
+    flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """Routed experts in one grouped pass: flat [N, D], idx/weights [N, k], gate_up [E, 2I, D], down [E, D, I] →
+    [N, D]. The N·k (token, expert) pairs are sorted by expert once (one host read of the per-expert counts);
+    each expert with tokens runs two GEMMs on its contiguous slice; results are summed per token in ascending
+    expert order, as the per-expert reference loop does."""
+    N, k = idx.shape
+    order = idx.reshape(-1).argsort(stable=True)  # pairs grouped by expert, ascending
+    rows = order // k  # token of each sorted pair
+    counts = torch.bincount(idx.reshape(-1), minlength=gate_up.shape[0]).tolist()
+    x = flat.index_select(0, rows)
+    y = torch.empty_like(x)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            g, u = F.linear(x[start : start + n], gate_up[e]).chunk(2, dim=-1)
+            y[start : start + n] = F.linear(F.silu(g.contiguous()) * u, down[e])  # contiguous: see SwiGLU
+            start += n
+    y = y * weights.reshape(-1)[order, None].to(y.dtype)
+    return torch.zeros_like(flat).index_add_(0, rows, y)
 
 
 class DecoderLayer(nn.Module):
@@ -135,6 +201,13 @@ class MLATarget(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.rope)
 
+    def fuse_for_inference(self) -> None:
+        """Fused gate|up weights and stacked experts for the inference path (parameters become views into them;
+        names, values and the training path are unchanged). Idempotent."""
+        with torch.inference_mode(False), torch.no_grad():
+            for layer in self.model.layers:
+                layer.mlp.fuse()
+
     # interface shared with HFTarget ----------------------------------------------------------------
     @property
     def num_layers(self) -> int:
@@ -175,7 +248,7 @@ class MLATarget(nn.Module):
         if mask is None:
             mask = causal_mask(positions, positions)
         with scope("embed"):
-            mask = no_empty_rows(mask)
+            mask = attention_bias(no_empty_rows(mask))  # once for every layer
             cos, sin = self.rotary.cos_sin(positions)
             h = self.model.embed_tokens(input_ids)
         taps: list[torch.Tensor] = []

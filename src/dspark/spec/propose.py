@@ -53,11 +53,15 @@ def draft_block(
         out = drafter(block, positions, block_mask(anchor_positions, K, num_keys), store=store)
     base = out.base_logits
     assert base is not None
-    u = uniforms(sampling.seeds, sampling.counters[:, :K], Stream.DRAFT).float().clamp(1e-7, 1 - 1e-7)
+    u = (
+        uniforms(sampling.seeds, sampling.counters[:, :K], Stream.DRAFT).float().clamp(1e-7, 1 - 1e-7)
+        if probabilistic
+        else None
+    )
     qs: list[torch.Tensor] = []
 
     def pick(corrected: torch.Tensor, k: int) -> torch.Tensor:
-        if not probabilistic:
+        if u is None:
             return corrected.argmax(-1)
         q = process_logits(corrected[:, None], sampling.temperature, sampling.top_k, sampling.top_p)[:, 0]
         qs.append(q)
