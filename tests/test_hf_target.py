@@ -10,7 +10,7 @@ from dspark.llm import LLM, build_engines
 from dspark.models.drafter import DSparkDrafter
 from dspark.models.hf_target import HFTarget
 from dspark.models.loading import save_drafter
-from dspark.models.tiny import randomize_
+from dspark.models.tiny import mark_random_weights, randomize_
 from dspark.sampling_params import SamplingParams
 
 
@@ -33,6 +33,7 @@ def tiny_qwen3(tmp_path):
     with torch.no_grad():
         model.lm_head.weight.mul_(20)
     model.save_pretrained(tmp_path / "qwen3")
+    mark_random_weights(tmp_path / "qwen3")  # no tokenizer: random test weights run on bytes
     draft_cfg = DraftConfig.from_dict(
         {
             "architectures": ["Qwen3DSparkModel"],
@@ -44,7 +45,7 @@ def tiny_qwen3(tmp_path):
             "num_key_value_heads": 2,
             "head_dim": 8,
             "vocab_size": 80,
-            "rope_theta": 1000000.0,
+            "rope_theta": 10000.0,  # the target's (Qwen3Config default); the doctor refuses a mismatch
             "num_target_layers": 4,
             "block_size": 7,
             "target_layer_ids": [0, 2],
@@ -70,6 +71,22 @@ def test_taps_are_layer_outputs(tmp_path):
     torch.testing.assert_close(logits[0], ref.logits[0, 2:].float())
     torch.testing.assert_close(taps[0, :, :32], ref.hidden_states[1][0, 2:])
     torch.testing.assert_close(taps[0, :, 32:], ref.hidden_states[3][0, 2:])
+
+
+def test_a_last_layer_tap_is_the_raw_layer_output_not_the_final_norm(tmp_path):
+    target_dir, _ = tiny_qwen3(tmp_path)
+    target = HFTarget.load(target_dir)
+    ids = [[0, 5, 6, 7, 8], [0, 9, 10]]
+    raw = []
+    hook = target.model.model.layers[3].register_forward_hook(lambda m, a, out: raw.append(out))
+    with torch.no_grad():
+        ref = target.model(torch.tensor([ids[0]]), output_hidden_states=True)
+    hook.remove()
+    _, taps = target.forward_rows(ids, [1, 1], (-1, 3), last_only=False)
+    last = raw[0][0] if isinstance(raw[0], tuple) else raw[0]
+    torch.testing.assert_close(taps[0, :, 32:], last[0, 1:])
+    torch.testing.assert_close(taps[0, :, :32], target.model.model.embed_tokens(torch.tensor(ids[0][1:])))
+    assert not torch.allclose(taps[0, :, 32:], ref.hidden_states[4][0, 1:])  # post-norm: not what a tap reads
 
 
 @pytest.mark.parametrize("method", ["dspark", "dflash", "ngram"])

@@ -10,6 +10,7 @@ import json
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -76,6 +77,36 @@ def wait_idle(engine, timeout: float = 20.0) -> None:
     while engine.has_unfinished or engine.num_pages_free != engine.pool.num_pages:
         assert time.monotonic() < deadline, (engine.num_pages_free, engine.pool.num_pages)
         time.sleep(0.02)
+
+
+class StepGate:
+    """Lets the engine thread take a step only when the test allows one, so a test waits on engine state, not on
+    how fast the machine is: while closed, commands (add, abort) are still applied but nobody generates."""
+
+    def __init__(self, engine) -> None:
+        self.permits = threading.Semaphore(0)
+        self.opened = threading.Event()
+        real = engine.step
+
+        def gated():
+            if self.opened.is_set() or self.permits.acquire(timeout=0.005):
+                return real()
+            return engine._drain()  # still report aborted/finished requests
+
+        engine.step = gated
+
+    def allow(self, n: int = 1) -> None:
+        self.permits.release(n)
+
+    def open(self) -> None:
+        self.opened.set()
+
+
+def wait_for(pred, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "engine state not reached"
+        time.sleep(0.005)
 
 
 def scrape(url: str, **headers) -> dict[tuple[str, tuple], float]:
@@ -263,6 +294,11 @@ def test_bad_inputs_get_openai_errors_and_server_keeps_serving(spec_server):
         (comp, {"prompt": "x", "temperature": -1}, 400, "temperature"),
         (comp, {"prompt": "x", "top_p": 0}, 400, "top_p"),
         (comp, {"prompt": "x", "top_k": -5}, 400, "top_k"),
+        (comp, {"prompt": "x", "top_k": 2**63}, 400, "top_k"),
+        (comp, {"prompt": "x", "seed": 2**64}, 400, "seed"),
+        (comp, {"prompt": "x", "seed": 2**63}, 400, "seed"),
+        (comp, {"prompt": "x", "seed": -(2**64)}, 400, "seed"),
+        (chat, {"messages": [{"role": "user", "content": "x"}], "seed": 2**64}, 400, "seed"),
         (comp, {"prompt": "x", "n": 2}, 400, "n"),
         (comp, {"prompt": "x", "stop": 5}, 400, "stop"),
         (comp, {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
@@ -291,6 +327,42 @@ def test_bad_inputs_get_openai_errors_and_server_keeps_serving(spec_server):
     wait_idle(engine)
 
 
+def test_a_request_that_raises_in_the_engine_fails_alone(pair):
+    engine = make_engine(pair, max_num_seqs=4)
+    bad = [3, 1, 4, 1, 5]
+    real = engine.runner.target_forward
+
+    def faulty(reqs, *a, **kw):
+        if any(r.prompt_ids == bad for r in reqs):
+            raise RuntimeError("injected fault")
+        return real(reqs, *a, **kw)
+
+    engine.runner.target_forward = faulty
+    gate = StepGate(engine)
+    body = {"prompt": "survivor", "max_tokens": 40, "ignore_eos": True, "stream": True}
+    with serving(engine) as url, httpx.Client(timeout=60) as http, ThreadPoolExecutor(1) as pool:
+        with http.stream("POST", f"{url}/v1/completions", json=body) as running:
+            gate.allow()  # prefill + first token: the survivor is running
+            wait_for(lambda: engine.metrics.generation_tokens > 0)
+            failing = pool.submit(http.post, f"{url}/v1/completions", json={"prompt": bad, "max_tokens": 4})
+            wait_for(lambda: any(r.prompt_ids == bad for r in list(engine.requests.values())))
+            gate.allow()  # one step with both: the bad prefill raises, the survivor decodes
+            r = failing.result(timeout=60)
+            assert r.status_code == 500, r.text
+            assert r.json()["error"]["code"] == "request_failed" and "injected fault" in r.json()["error"]["message"]
+            assert http.get(f"{url}/health").status_code == 200
+            assert engine.has_unfinished  # the survivor is still generating
+            gate.open()
+            events = sse_events(running.iter_lines())
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+        streamed = sse_events(http.post(f"{url}/v1/completions", json={**body, "prompt": bad}).iter_lines())
+        assert "injected fault" in streamed[-2]["error"]["message"] and streamed[-1] == "[DONE]"
+        ok = http.post(f"{url}/v1/completions", json={"prompt": "after", "max_tokens": 3})
+        assert ok.status_code == 200 and http.get(f"{url}/health").status_code == 200
+        wait_idle(engine)
+        assert engine.metrics.num_requests_failed == 2
+
+
 def test_api_key_guards_every_route_but_health(pair):
     engine = make_engine(pair, spec=False)
     with serving(engine, api_key="sekrit") as url:
@@ -309,20 +381,23 @@ def test_api_key_guards_every_route_but_health(pair):
 
 def test_full_queue_answers_503_and_disconnects_free_pages(pair):
     engine = make_engine(pair, spec=False, max_num_seqs=1, max_waiting=1)
+    gate = StepGate(engine)  # the engine steps only when allowed: no request can finish behind the test's back
     total = engine.pool.num_pages
     body = {"prompt": "long one", "max_tokens": 480, "ignore_eos": True, "stream": True}
     with serving(engine) as url, httpx.Client(timeout=60) as http:
-        with http.stream("POST", f"{url}/v1/completions", json=body) as running:
-            lines = running.iter_lines()
-            while not next(lines).startswith("data: "):
-                pass  # the first token arrived: this request is running and holds cache pages
+        with http.stream("POST", f"{url}/v1/completions", json=body):
+            gate.allow()  # prefill + first token: the request is running and holds cache pages
+            wait_for(lambda: engine.metrics.generation_tokens > 0)
             assert engine.num_pages_free < total
             with http.stream("POST", f"{url}/v1/completions", json=body) as waiting:
                 assert waiting.status_code == 200  # accepted into the (one-slot) waiting queue
+                assert len(engine.scheduler.waiting) == 1
                 r = http.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
                 assert r.status_code == 503, r.text
                 assert r.json()["error"]["code"] == "queue_full"
         # both streams closed mid-way: the server aborts them and every page returns to the pool
+        wait_for(lambda: engine.metrics.num_requests_aborted == 2)
+        gate.open()
         wait_idle(engine)
         assert engine.num_pages_free == total
         assert engine.metrics.num_requests_aborted == 2
@@ -330,14 +405,13 @@ def test_full_queue_answers_503_and_disconnects_free_pages(pair):
         assert m[("vllm:request_success_total", (("finished_reason", "abort"),))] == 2
         r = http.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
-        # a non-streaming client that goes away is aborted too
+        # a non-streaming client that goes away is aborted too (the engine is held, so it cannot finish first)
+        gate.opened.clear()
         before = engine.metrics.num_requests_aborted
         with pytest.raises(httpx.ReadTimeout):
             http.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=0.3)
-        deadline = time.monotonic() + 20
-        while engine.metrics.num_requests_aborted == before:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_for(lambda: engine.metrics.num_requests_aborted == before + 1)
+        gate.open()
         wait_idle(engine)
 
 

@@ -5,46 +5,27 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
-from dspark.config import ConfigError
-
-
-def int_list(text: str) -> tuple[int, ...]:
-    """argparse type for comma-separated integers, e.g. '1,4,16'."""
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,4,16; got {text!r}") from e
-
-
-def float_list(text: str) -> tuple[float, ...]:
-    """argparse type for comma-separated numbers, e.g. '0,1'."""
-    try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers like 0,0.7,1; got {text!r}") from e
-
-
-def _not_yet(name: str) -> Callable[[argparse.Namespace], int]:
-    def run(_: argparse.Namespace) -> int:
-        print(f"dspark {name}: not yet available in this version", file=sys.stderr)
-        return 2
-
-    return run
-
+from dspark.cli_common import default_spec, model_or_demo
+from dspark.config import DTYPES, ConfigError
 
 # ---- roster ---------------------------------------------------------------------------------------------
 
 
 def cmd_roster(args: argparse.Namespace) -> int:
+    from dspark.checkpoint.resolve import resolve_model_ref
     from dspark.checkpoint.roster import format_roster, roster_json
-    from dspark.config import DraftConfig
-    from dspark.models.loading import draft_roster, read_config_any, target_roster
+    from dspark.config import DraftConfig, KimiLinearConfig
+    from dspark.models.loading import draft_roster, kimi_roster, read_config_any, target_roster
 
-    cfg = read_config_any(args.config)
-    roster = draft_roster(cfg) if isinstance(cfg, DraftConfig) else target_roster(cfg)
+    cfg = read_config_any(resolve_model_ref(args.config, role="roster"))
+    if isinstance(cfg, DraftConfig):
+        roster = draft_roster(cfg)
+    elif isinstance(cfg, KimiLinearConfig):
+        roster = kimi_roster(cfg)
+    else:
+        roster = target_roster(cfg)
     if args.json:
         print(json.dumps(roster_json(roster)))
     else:
@@ -54,7 +35,7 @@ def cmd_roster(args: argparse.Namespace) -> int:
 
 def add_roster(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("roster", help="expected tensor names, shapes and parameter count (meta device)")
-    p.add_argument("config", help="config.json of a target (deepseek_v3) or a drafter (k3_dspark), or its dir")
+    p.add_argument("config", help="config.json of a target (deepseek_v3) or a drafter (k3_dspark), its dir or hub id")
     p.add_argument("--json", action="store_true", help='print {"tensors": {name: [dims]}, "num_params": int}')
     p.set_defaults(func=cmd_roster)
 
@@ -63,9 +44,12 @@ def add_roster(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from dspark.checkpoint.doctor import format_report, report_json, run_checks
+    from dspark.checkpoint.resolve import resolve_model_ref
+    from dspark.doctor import format_report, report_json, run_checks
 
-    report = run_checks(args.draft_dir, args.target)
+    draft = resolve_model_ref(args.draft_dir, role="check DRAFT")
+    target = resolve_model_ref(args.target, role="check --target") if args.target is not None else None
+    report = run_checks(draft, target)
     if args.json:
         print(json.dumps(report_json(report)))
     else:
@@ -81,8 +65,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def add_check(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("check", help="deployment doctor: check a draft (and its target) before serving")
-    p.add_argument("draft_dir", metavar="DRAFT_DIR", help="draft model directory (config.json + safetensors)")
-    p.add_argument("--target", metavar="DIR", default=None, help="target model dir (enables pairing checks)")
+    p.add_argument("draft_dir", metavar="DRAFT", help="draft model dir or hub id org/name[@rev] (local caches)")
+    p.add_argument("--target", metavar="MODEL", default=None, help="target dir or hub id (enables pairing checks)")
     p.add_argument("--json", action="store_true", help='print {"ok": bool, "problems": [{"check", "message", "fix"}]}')
     p.set_defaults(func=cmd_check)
 
@@ -156,38 +140,6 @@ def add_train_target(sub: argparse._SubParsersAction) -> None:
 # ---- generate / verify-lossless -------------------------------------------------------------------------
 
 
-def _model_or_demo(model: str | None) -> tuple[str | None, bool]:
-    """The model dir; without one and without the bundled pair, a tiny random pair built on the fly (demo)."""
-    from dspark.llm import bundled_available
-
-    if model is not None or bundled_available():
-        return model, False
-    import tempfile
-
-    from dspark.models.tiny import write_tiny_pair
-
-    d = Path(tempfile.mkdtemp(prefix="dspark-demo-"))
-    target_dir, draft_dir = write_tiny_pair(d)
-    print(
-        "[demo] the bundled model pair is not installed: using a TINY RANDOM target+drafter built on the fly "
-        f"in {d} (the text is gibberish; speed and τ are not meaningful)",
-        file=sys.stderr,
-    )
-    return str(target_dir), True
-
-
-def _default_spec(args: argparse.Namespace, demo_dir: str | None) -> str | None:
-    if getattr(args, "no_spec", False):
-        return None
-    if args.speculative_config:
-        return args.speculative_config
-    if demo_dir is not None:
-        return json.dumps({"method": "dspark", "model": str(Path(demo_dir).parent / "draft")})
-    if args.model is None:
-        return json.dumps({"method": "dspark"})
-    return None
-
-
 def _sampling(args: argparse.Namespace, max_tokens: int):
     from dspark.sampling_params import SamplingParams
 
@@ -209,6 +161,10 @@ def _timed_generate(engine, prompt: str, params) -> tuple[object, float]:
     llm.generate(prompt, _replace_max_tokens(params, 2))  # warm-up (first-call overheads)
     t0 = time.perf_counter()
     out = llm.generate(prompt, params)[0]
+    if out.error is not None:
+        from dspark.engine.engine import EngineError
+
+        raise EngineError(f"generation failed: {out.error}")
     return out, time.perf_counter() - t0
 
 
@@ -221,12 +177,14 @@ def _replace_max_tokens(params, n: int):
 def cmd_generate(args: argparse.Namespace) -> int:
     from dspark.llm import build_engines
 
-    model, demo = _model_or_demo(args.model)
-    spec = _default_spec(args, model if demo else None)
+    params = _sampling(args, args.max_tokens)  # refuse bad sampling values before loading anything
+    model, demo = model_or_demo(args.model)
+    spec = default_spec(args, model if demo else None)
     compare = (args.compare or args.json) and spec is not None
     configs = [spec, None] if compare else [spec]
-    engines = build_engines(model, configs, dtype=args.dtype, seed=args.seed or 0)
-    params = _sampling(args, args.max_tokens)
+    engines = build_engines(
+        model, configs, dtype=args.dtype, seed=args.seed or 0, attention_backend=args.attention_backend
+    )
     out, wall = _timed_generate(engines[0], args.prompt, params)
     tps = len(out.token_ids) / wall if wall > 0 else 0.0
     speedup = None
@@ -266,14 +224,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
-    p.add_argument("--model", default=None, help="target model dir (default: the bundled k3-mini pair)")
+    p.add_argument("--model", default=None, help="target dir, .gguf or hub id (default: the bundled k3-mini pair)")
     p.add_argument("--speculative-config", default=None, help='vLLM-style JSON or @file, e.g. \'{"method": "dspark"}\'')
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--temperature", type=float, default=temperature)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    p.add_argument(
+        "--attention-backend",
+        default=None,
+        help="target attention: torch | sdpa | a vLLM backend name (runs as sdpa here); default: each model's",
+    )
 
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
@@ -290,9 +253,11 @@ def cmd_verify_lossless(args: argparse.Namespace) -> int:
     from dspark.data import load_prompts
     from dspark.llm import LLM, build_engines
 
-    model, demo = _model_or_demo(args.model)
-    spec = _default_spec(args, model if demo else None) or json.dumps({"method": "dspark"})
-    spec_engine, ar_engine = build_engines(model, [spec, None], dtype=args.dtype)
+    model, demo = model_or_demo(args.model)
+    spec = default_spec(args, model if demo else None) or json.dumps({"method": "dspark"})
+    spec_engine, ar_engine = build_engines(
+        model, [spec, None], dtype=args.dtype, attention_backend=args.attention_backend
+    )
     prompts = load_prompts(args.dataset, args.num_prompts, getattr(spec_engine.tokenizer, "apply_chat_template", None))
     from dspark.sampling_params import SamplingParams
 
@@ -324,13 +289,17 @@ def add_verify_lossless(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--model", default=None)
     p.add_argument("--speculative-config", default=None)
-    p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument(
+        "--attention-backend",
+        default=None,
+        help="target attention: torch | sdpa | a vLLM backend name (runs as sdpa here); default: each model's",
+    )
     p.set_defaults(func=cmd_verify_lossless, no_spec=False)
 
 
 # ---- registry -------------------------------------------------------------------------------------------
 
-PLANNED = ("serve", "bench", "train-draft", "calibrate", "profile")
 # subcommands defined next to their library code: module with ``add_parser(sub)``
 MODULES = {
     "serve": "dspark.serve.cli",
@@ -352,18 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_roster(sub)
     add_train_target(sub)
     for module in MODULES.values():
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
-            continue
-        if hasattr(mod, "add_parser"):
-            mod.add_parser(sub)
-    registered = set(sub.choices)
-    for name in PLANNED:
-        if name not in registered:
-            sub.add_parser(name, help="(not yet available)").set_defaults(func=_not_yet(name))
+        importlib.import_module(module).add_parser(sub)
     return parser
 
 

@@ -14,6 +14,10 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+# config.json key that marks a model as explicitly random test weights (dspark.models.tiny): only such models
+# may run without a tokenizer file (bytes stand in for text)
+RANDOM_WEIGHTS_KEY = "dspark_random_weights"
+
 
 class ConfigError(ValueError):
     """A configuration value is missing or invalid; the message names the key and the fix."""
@@ -361,10 +365,230 @@ class TargetConfig:
 
 
 # --------------------------------------------------------------------------------------------------------
+# Kimi Linear / Kimi K3 hybrid target (KDA + MLA)
+# --------------------------------------------------------------------------------------------------------
+
+KIMI_LAYER_TYPES = ("linear_attention", "full_attention")
+KIMI_MLP_TYPES = ("dense", "sparse")
+
+
+@dataclass(frozen=True)
+class KDAConfig:
+    """One Kimi Delta Attention layer's geometry (``linear_attn_config`` of a Kimi Linear config.json)."""
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    conv_kernel_size: int = 4
+    rms_norm_eps: float = 1e-5
+    gate_lower_bound: float | None = None  # None: g = −e^A·softplus(·) (Kimi Linear); K3: g = lb·σ(e^A·(·)), lb −5
+    chunk_size: int = 64  # rows per chunk of the chunkwise form
+    decode_recurrent: bool = True  # one-row forwards use the recurrent form
+
+    def __post_init__(self) -> None:
+        _positive(
+            "linear_attn_config",
+            num_heads=self.num_heads,
+            head_dim=self.head_dim,
+            short_conv_kernel_size=self.conv_kernel_size,
+            chunk_size=self.chunk_size,
+        )
+        if self.gate_lower_bound is not None and self.gate_lower_bound >= 0:
+            raise _fail("linear_attn_config", "gate_lower_bound", self.gate_lower_bound, "must be negative or null")
+
+    @property
+    def state_numel(self) -> int:
+        """Values per request per layer: the recurrent matrix per head + the conv tail."""
+        width = self.num_heads * self.head_dim
+        return self.num_heads * self.head_dim * self.head_dim + (self.conv_kernel_size - 1) * 3 * width
+
+
+def _kimi_layer_types(d: Mapping[str, Any], n: int, source: str) -> tuple[str, ...]:
+    """``layer_types``, else ``linear_attn_config.{kda_layers, full_attn_layers}`` (1-based), else every 4th."""
+    lac = d.get("linear_attn_config") or {}
+    types = d.get("layer_types")
+    if types is None and "kda_layers" in lac and "full_attn_layers" in lac:
+        types = [None] * n
+        for key, kind in (("kda_layers", "linear_attention"), ("full_attn_layers", "full_attention")):
+            for one_based in lac[key]:
+                if not 1 <= int(one_based) <= n:
+                    raise _fail(source, f"linear_attn_config.{key}", one_based, f"layers are 1-based in [1, {n}]")
+                types[int(one_based) - 1] = kind
+    if types is None:
+        types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
+    if len(types) != n or any(t not in KIMI_LAYER_TYPES for t in types):
+        raise _fail(source, "layer_types", types, f"need {n} entries from {list(KIMI_LAYER_TYPES)}")
+    return tuple(types)
+
+
+def _kimi_mlp_types(d: Mapping[str, Any], n: int, source: str) -> tuple[str, ...]:
+    types = d.get("mlp_layer_types")
+    if types is None:
+        first_dense = int(d.get("first_k_dense_replace", 1))
+        types = ["dense" if i < first_dense else "sparse" for i in range(n)]
+    if len(types) != n or any(t not in KIMI_MLP_TYPES for t in types):
+        raise _fail(source, "mlp_layer_types", types, f"need {n} entries from {list(KIMI_MLP_TYPES)}")
+    return tuple(types)
+
+
+def _first(d: Mapping[str, Any], *keys: str, default: Any = None) -> Any:
+    """The first present key (HF attribute names and their aliases in saved configs)."""
+    for k in keys:
+        if d.get(k) is not None:
+            return d[k]
+    return default
+
+
+@dataclass(frozen=True)
+class KimiLinearConfig:
+    """A ``kimi_linear`` config.json: KDA and MLA layers (``layer_types``), dense first layer(s) then MoE.
+
+    ``base`` carries the MLA / MoE / embedding fields in TargetConfig form (shared with the MLA target's code);
+    ``mlp_layer_types`` decides dense vs MoE per layer.
+    """
+
+    base: TargetConfig
+    kda: KDAConfig
+    layer_types: tuple[str, ...]
+    mlp_layer_types: tuple[str, ...]
+    mla_norm_eps: float = 1e-6  # q_a/kv_a layernorms (transformers' KimiLinearAttention builds them with 1e-6)
+    # Kimi K3 additions (models/k3.py); off for Kimi Linear
+    hidden_act: str = "silu"  # "silu" (SwiGLU) | "situ"
+    situ_betas: tuple[float, float] = (4.0, 25.0)
+    moe_latent_size: int | None = None  # routed experts in a latent space of this width
+    attn_res_block_size: int | None = None  # AttnRes replaces the residual stream
+
+    def __post_init__(self) -> None:
+        src = "kimi_linear config.json"
+        n = self.base.num_hidden_layers
+        if len(self.layer_types) != n or len(self.mlp_layer_types) != n:
+            raise _fail(src, "layer_types", self.layer_types, f"need {n} entries")
+        if "sparse" in self.mlp_layer_types and not self.base.is_moe:
+            raise _fail(src, "num_experts", None, "sparse mlp_layer_types need experts")
+        if self.hidden_act not in ("silu", "situ"):
+            raise _fail(src, "hidden_act", self.hidden_act, "use 'silu' or 'situ'")
+        _positive(src, moe_latent_size=self.moe_latent_size, attn_res_block_size=self.attn_res_block_size)
+        if len(self.situ_betas) != 2 or min(self.situ_betas) <= 0:
+            raise _fail(src, "situ_betas", self.situ_betas, "two positive numbers (gate, up), K3: [4, 25]")
+
+    @property
+    def tap_streams(self) -> tuple[str, ...]:
+        """Streams a drafter may tap; the first is the default (K3 / AttnRes: "prefix")."""
+        return ("prefix", "residual") if self.attn_res_block_size else ("residual",)
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.base.num_hidden_layers
+
+    @property
+    def mla(self) -> MLAConfig:
+        return replace(self.base.mla, rms_norm_eps=self.mla_norm_eps)
+
+    def is_kda(self, layer: int) -> bool:
+        return self.layer_types[layer] == "linear_attention"
+
+    @property
+    def kda_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if self.is_kda(i))
+
+    @property
+    def mla_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if not self.is_kda(i))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], source: str = "kimi_linear config.json") -> KimiLinearConfig:
+        if d.get("model_type") != "kimi_linear":
+            raise _fail(source, "model_type", d.get("model_type"), "the hybrid target reads 'kimi_linear' configs")
+        n = int(_require(d, "num_hidden_layers", source))
+        base_keys = {
+            "n_routed_experts": _first(d, "num_experts", "num_local_experts", "n_routed_experts"),
+            "num_experts_per_tok": _first(d, "num_experts_per_token", "num_experts_per_tok"),
+            "n_shared_experts": _first(d, "num_shared_experts", "n_shared_experts", default=1),
+            "n_group": _first(d, "num_expert_group", "n_group", default=1),
+            "norm_topk_prob": _first(d, "moe_renormalize", "norm_topk_prob", default=True),
+            "max_position_embeddings": _first(d, "model_max_length", "max_position_embeddings", default=1048576),
+            "first_k_dense_replace": 0,
+            "routed_scaling_factor": d.get("routed_scaling_factor", 2.446),
+            "rms_norm_eps": d.get("rms_norm_eps", 1e-5),
+            "model_type": "deepseek_v3",
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+        }
+        act = d.get("hidden_act", "silu")
+        base = TargetConfig.from_dict({**d, **base_keys, "hidden_act": "silu"}, source)  # the FFN act is ours
+        base = replace(base, model_type="kimi_linear", mla_use_nope=bool(d.get("mla_use_nope", True)))
+        lac = d.get("linear_attn_config") or {}
+        kda = KDAConfig(
+            hidden_size=base.hidden_size,
+            num_heads=int(_first(lac, "num_heads", default=d.get("linear_num_heads", 32))),
+            head_dim=int(_first(lac, "head_dim", default=d.get("linear_head_dim", 128))),
+            conv_kernel_size=int(_first(lac, "short_conv_kernel_size", default=d.get("linear_conv_kernel_dim", 4))),
+            rms_norm_eps=base.rms_norm_eps,
+            gate_lower_bound=lac.get("gate_lower_bound"),
+        )
+        return cls(
+            base,
+            kda,
+            _kimi_layer_types(d, n, source),
+            _kimi_mlp_types(d, n, source),
+            hidden_act=act,
+            situ_betas=tuple(float(b) for b in d.get("situ_betas", (4.0, 25.0))),
+            moe_latent_size=d.get("moe_latent_size"),
+            attn_res_block_size=d.get("attn_res_block_size"),
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> KimiLinearConfig:
+        p = Path(path)
+        return cls.from_dict(read_json(p), source=str(p / "config.json" if p.is_dir() else p))
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        d = self.base.to_hf_dict()
+        for k in (
+            "n_routed_experts",
+            "num_experts_per_tok",
+            "n_shared_experts",
+            "n_group",
+            "first_k_dense_replace",
+            "topk_method",
+            "scoring_func",
+            "rope_interleave",
+        ):
+            d.pop(k, None)
+        d |= {
+            "model_type": "kimi_linear",
+            "architectures": ["KimiLinearForCausalLM"],
+            "num_experts": self.base.n_routed_experts,
+            "num_experts_per_token": self.base.num_experts_per_tok,
+            "num_shared_experts": self.base.n_shared_experts,
+            "num_expert_group": self.base.n_group,
+            "layer_types": list(self.layer_types),
+            "mlp_layer_types": list(self.mlp_layer_types),
+            "linear_attn_config": {
+                "num_heads": self.kda.num_heads,
+                "head_dim": self.kda.head_dim,
+                "short_conv_kernel_size": self.kda.conv_kernel_size,
+                "kda_layers": [i + 1 for i in self.kda_layers],
+                "full_attn_layers": [i + 1 for i in self.mla_layers],
+            },
+        }
+        if self.kda.gate_lower_bound is not None:
+            d["linear_attn_config"]["gate_lower_bound"] = self.kda.gate_lower_bound
+        d["hidden_act"] = self.hidden_act
+        if self.hidden_act == "situ":
+            d["situ_betas"] = list(self.situ_betas)
+        for key in ("moe_latent_size", "attn_res_block_size"):
+            if getattr(self, key) is not None:
+                d[key] = getattr(self, key)
+        return d
+
+
+# --------------------------------------------------------------------------------------------------------
 # Drafter (official k3_dspark keys; DeepSpec Qwen3DSparkModel keys)
 # --------------------------------------------------------------------------------------------------------
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+TAP_STREAMS = ("prefix", "residual")
 DRAFT_ARCHITECTURES = ("K3DSparkModel", "Qwen3DSparkModel")
 
 
@@ -403,6 +627,9 @@ class DraftConfig:
     confidence_head_with_markov: bool = True
     block_size: int | None = None
     draft_vocab_size: int | None = None
+    # which target stream the taps read: "prefix" (AttnRes prefix sum, Inferact's K3 DSpark) | "residual";
+    # None = the target's default (K3 / AttnRes: "prefix"; residual targets: "residual")
+    aux_hidden_stream: str | None = None
     rms_norm_eps: float = 1e-5
     hidden_act: str = "silu"
     tie_word_embeddings: bool = False
@@ -427,6 +654,8 @@ class DraftConfig:
             target_num_hidden_layers=self.target_num_hidden_layers,
             block_size=self.block_size,
         )
+        if self.aux_hidden_stream not in (None, *TAP_STREAMS):
+            raise _fail(src, "aux_hidden_stream", self.aux_hidden_stream, f"use one of {list(TAP_STREAMS)} or omit it")
         if self.markov_head_type not in MARKOV_HEAD_TYPES:
             raise _fail(src, "markov_head_type", self.markov_head_type, f"use one of {list(MARKOV_HEAD_TYPES)}")
         if self.markov_rank < 0:
@@ -527,6 +756,7 @@ class DraftConfig:
             confidence_head_with_markov=bool(d.get("confidence_head_with_markov", True)),
             block_size=d.get("block_size"),
             draft_vocab_size=d.get("draft_vocab_size"),
+            aux_hidden_stream=d.get("aux_hidden_stream"),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-5 if not gqa else 1e-6)),
             hidden_act=d.get("hidden_act", "silu"),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
@@ -590,6 +820,8 @@ class DraftConfig:
         }
         if self.block_size is not None:
             d["block_size"] = self.block_size
+        if self.aux_hidden_stream is not None:
+            d["aux_hidden_stream"] = self.aux_hidden_stream
         return d | dict(self.extra)
 
 
@@ -610,6 +842,76 @@ def _missing(source: str, key: str) -> int:
 # --------------------------------------------------------------------------------------------------------
 
 SPEC_METHODS = ("dspark", "dflash", "ngram")
+
+# Attention backends that run here: "torch" (explicit matmul + softmax, the reference) and "sdpa"
+# (torch.nn.functional.scaled_dot_product_attention, the fused kernel torch has on CPU).
+ATTENTION_BACKENDS = ("torch", "sdpa")
+# vLLM's AttentionBackendEnum names for dense (non-sparse) attention, and what runs in their place here:
+# every fused GPU kernel (FlashInfer, FlashAttention, FlashMLA, CUTLASS, Triton, ...) becomes torch's fused
+# SDPA kernel; TORCH_SDPA is that kernel already. Sparse-MLA backends need a sparse model and are not accepted.
+VLLM_ATTENTION_BACKENDS: dict[str, str] = {
+    name: "sdpa"
+    for name in (
+        "FLASHINFER_MLA",
+        "FLASH_ATTN_MLA",
+        "TRITON_MLA",
+        "CUTLASS_MLA",
+        "FLASHMLA",
+        "ROCM_AITER_MLA",
+        "ROCM_AITER_TRITON_MLA",
+        "TOKENSPEED_MLA",
+        "FLASH_ATTN",
+        "FLASH_ATTN_DIFFKV",
+        "FLASHINFER",
+        "TRITON_ATTN",
+        "ROCM_ATTN",
+        "ROCM_AITER_FA",
+        "ROCM_AITER_UNIFIED_ATTN",
+        "FLEX_ATTENTION",
+        "TREE_ATTN",
+        "XFORMERS",
+        "PALLAS",
+        "IPEX",
+        "CPU_ATTN",
+        "TORCH_SDPA",
+    )
+}
+_RUNS_AS_IS = ("TORCH_SDPA",)
+
+
+class BackendSubstitutionWarning(UserWarning):
+    """A vLLM attention backend named in a config is not available here; another one runs in its place."""
+
+
+def attention_backend(name: str | None, source: str, key: str = "attention_backend") -> str | None:
+    """The backend that runs here for a configured name (None = default). vLLM names are case-insensitive and
+    'auto' means the default, as in vLLM; an unknown name is an error listing every accepted one."""
+    if name is None:
+        return None
+    if not isinstance(name, str):
+        raise _fail(source, key, name, "must be a backend name (a string) or null")
+    if name.lower() == "auto":
+        return None
+    if name in ATTENTION_BACKENDS:
+        return name
+    upper = name.upper()
+    if upper not in VLLM_ATTENTION_BACKENDS:
+        accepted = ["auto", *ATTENTION_BACKENDS, *sorted(VLLM_ATTENTION_BACKENDS)]
+        raise _fail(source, key, name, f"unknown attention backend; accepted (case-insensitive): {accepted}")
+    return VLLM_ATTENTION_BACKENDS[upper]
+
+
+def _warn_substitute(name: str | None, source: str) -> None:
+    if name is None or name.upper() not in VLLM_ATTENTION_BACKENDS or name.upper() in _RUNS_AS_IS:
+        return
+    import warnings
+
+    warnings.warn(
+        f"{source}: attention_backend {name!r} is not available on this machine (torch CPU); "
+        f"running '{VLLM_ATTENTION_BACKENDS[name.upper()]}' (torch scaled_dot_product_attention) instead",
+        BackendSubstitutionWarning,
+        stacklevel=4,
+    )
 
 
 @dataclass(frozen=True)
@@ -642,14 +944,19 @@ class SpeculativeConfig:
             not isinstance(self.dspark_draft_topk, int) or self.dspark_draft_topk < 1
         ):
             raise _fail(src, "dspark_draft_topk", self.dspark_draft_topk, "must be null or a positive integer")
-        if self.attention_backend not in (None, "torch", "sdpa"):
-            raise _fail(src, "attention_backend", self.attention_backend, "use null, 'torch' or 'sdpa' on CPU")
+        attention_backend(self.attention_backend, src)  # validates; the substitute is announced once below
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise _fail(src, "prompt_lookup_min", self.prompt_lookup_min, "need 1 <= min <= prompt_lookup_max")
         if not 0 <= self.min_verify_len <= self.num_speculative_tokens:
             raise _fail(src, "min_verify_len", self.min_verify_len, "must be in [0, num_speculative_tokens]")
         if self.enable_adaptive_verification and self.method == "ngram":
             raise _fail(src, "enable_adaptive_verification", True, "needs a drafter with a confidence head")
+        _warn_substitute(self.attention_backend, src)
+
+    @property
+    def draft_attention_backend(self) -> str | None:
+        """What runs the drafter's attention here: 'torch', 'sdpa' or None (the drafter's default)."""
+        return attention_backend(self.attention_backend, "speculative config")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> SpeculativeConfig:
@@ -685,14 +992,25 @@ class SpeculativeConfig:
 # --------------------------------------------------------------------------------------------------------
 
 
+DTYPES = ("bfloat16", "float16", "float32")  # --dtype / EngineConfig.dtype: weights, activations and KV pages
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     page_size: int = 16
     num_pages: int | None = None  # None: derived from max_num_seqs * max_model_len
-    swap_space: int = 0
+    swap_space: float | None = None  # vLLM's CPU swap (GiB): only 0/None, preempted requests are recomputed
 
     def __post_init__(self) -> None:
         _positive("cache config", page_size=self.page_size, num_pages=self.num_pages)
+        if self.swap_space not in (None, 0):
+            raise _fail(
+                "cache config",
+                "swap_space",
+                self.swap_space,
+                "swapping KV pages is not supported: this engine keeps its pages in host memory and recomputes "
+                "preempted requests; pass 0 or omit it",
+            )
 
 
 @dataclass(frozen=True)
@@ -704,9 +1022,12 @@ class EngineConfig:
     seed: int = 0
     log_stats_interval_s: float = 10.0
     max_waiting: int = 256
+    attention_backend: str | None = None  # target (and default draft) attention: vLLM's --attention-backend
 
     def __post_init__(self) -> None:
         src = "engine config"
+        attention_backend(self.attention_backend, src)
+        _warn_substitute(self.attention_backend, src)
         _positive(
             src,
             max_num_seqs=self.max_num_seqs,
@@ -714,5 +1035,10 @@ class EngineConfig:
             max_model_len=self.max_model_len,
             max_waiting=self.max_waiting,
         )
-        if self.dtype not in ("bfloat16", "float32", "float16"):
-            raise _fail(src, "dtype", self.dtype, "use 'bfloat16' or 'float32'")
+        if self.dtype not in DTYPES:
+            raise _fail(src, "dtype", self.dtype, f"use one of {list(DTYPES)}")
+
+    @property
+    def target_attention_backend(self) -> str | None:
+        """What runs the target's attention here: 'torch', 'sdpa' or None (each model's default)."""
+        return attention_backend(self.attention_backend, "engine config")

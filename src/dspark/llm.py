@@ -7,7 +7,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dspark.checkpoint.resolve import resolve_model_ref
 from dspark.config import CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
+from dspark.doctor.gate import check_before_load, check_finite
 from dspark.engine.engine import Engine, RequestOutput, load_adaptive
 from dspark.models.loading import load_drafter, load_target
 from dspark.sampling_params import SamplingParams
@@ -25,8 +27,10 @@ def bundled_available() -> bool:
 
 
 def resolve_model(model: str | Path | None) -> Path:
+    """The local HF directory of a model reference (directory, ``.gguf`` file, alias, hub id in the local
+    HF/ModelScope cache; see dspark.checkpoint.resolve); the bundled target by default."""
     if model is not None:
-        return Path(model)
+        return resolve_model_ref(model, role="model")
     if not (BUNDLED_TARGET / "config.json").exists():
         raise ConfigError(
             f"no --model given and the bundled model is missing at {BUNDLED_TARGET}; pass --model DIR "
@@ -39,7 +43,7 @@ def resolve_draft(spec: SpeculativeConfig, target_dir: Path) -> Path | None:
     if spec.method == "ngram":
         return None
     if spec.model:
-        return Path(spec.model)
+        return resolve_model_ref(spec.model, role="speculative config: model")
     if target_dir.resolve() == BUNDLED_TARGET.resolve():
         if spec.method == "dflash" and (BUNDLED_DFLASH / "config.json").exists():
             return BUNDLED_DFLASH
@@ -66,37 +70,63 @@ def build_engines(
     seed: int = 0,
     max_num_batched_tokens: int = 2048,
     max_waiting: int = 256,
+    swap_space: float | None = None,
+    attention_backend: str | None = None,
 ) -> list[Engine]:
     """One engine per speculative config, all sharing one loaded target (and drafters per directory)."""
     target_dir = resolve_model(model)
     specs = [_parse_spec(s) for s in speculative_configs]
+    ecfg = EngineConfig(
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        dtype=dtype,
+        seed=seed,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_waiting=max_waiting,
+        attention_backend=attention_backend,
+    )
+    cache = CacheConfig(page_size=page_size, num_pages=num_pages, swap_space=swap_space)
+    draft_dirs = [resolve_draft(spec, target_dir) if spec is not None else None for spec in specs]
+    check_before_load(target_dir, draft_dirs)  # the doctor refuses what `dspark check` rejects
     target = _load_any_target(target_dir, dtype)
+    check_finite(target, f"target {target_dir}")
+    _set_target_backend(target, ecfg.target_attention_backend)
     tok = load_tokenizer(target_dir, target.config.vocab_size, target.config.eos_token_ids)
-    drafters: dict[Path, Any] = {}
+    drafters: dict[tuple[Path, str | None], Any] = {}  # one drafter per (directory, attention backend)
     engines = []
-    for spec in specs:
-        draft_dir = resolve_draft(spec, target_dir) if spec is not None else None
+    for spec, draft_dir in zip(specs, draft_dirs):
         drafter = None
-        if draft_dir is not None:
-            if draft_dir not in drafters:
-                drafters[draft_dir] = load_drafter(draft_dir, target, dtype)
-            drafter = drafters[draft_dir]
+        if spec is not None and draft_dir is not None:
+            backend = spec.draft_attention_backend or ecfg.target_attention_backend  # the target's by default
+            key = (draft_dir, backend)
+            if key not in drafters:
+                drafters[key] = load_drafter(draft_dir, target, dtype)
+                check_finite(drafters[key], f"draft {draft_dir}")  # its own weights (embedding/lm_head borrowed)
+                drafters[key].set_attention_backend(backend)
+            drafter = drafters[key]
         _check_pair(spec, drafter, draft_dir)
         adaptive = load_adaptive(spec, draft_dir, target_dir) if spec and spec.enable_adaptive_verification else None
-        ecfg = EngineConfig(
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            dtype=dtype,
-            seed=seed,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_waiting=max_waiting,
-        )
-        cache = CacheConfig(page_size=page_size, num_pages=num_pages)
         engine = Engine(target, drafter, spec, ecfg, cache, tok, adaptive)
         engine.model_dir = target_dir  # type: ignore[attr-defined]
         engine.draft_dir = draft_dir  # type: ignore[attr-defined]
         engines.append(engine)
     return engines
+
+
+def _set_target_backend(target: Any, backend: str | None) -> None:
+    """'torch' / 'sdpa' for every attention layer of the target: our MLA layers directly, an HF model through
+    transformers' attn_implementation ('eager' / 'sdpa')."""
+    from dspark.models.hf_target import HFTarget
+    from dspark.models.mla import MLAttention
+
+    if backend is None:
+        return
+    if isinstance(target, HFTarget):
+        target.model.set_attn_implementation("eager" if backend == "torch" else "sdpa")
+        return
+    for module in target.modules():
+        if isinstance(module, MLAttention):
+            module.backend = backend
 
 
 def _load_any_target(path: Path, dtype: str):

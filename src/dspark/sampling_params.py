@@ -1,12 +1,38 @@
-"""Per-request sampling parameters (vLLM-compatible names)."""
+"""Per-request sampling parameters (vLLM-compatible names), range-checked at construction so a bad value is
+refused where it enters (HTTP 400, ``ValueError`` from ``LLM.generate``, a CLI error), never inside the engine."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Seeds and top_k go into int64 tensors (spec/rng.py hashes the two 32-bit words of each int64 seed).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_TEMPERATURE = 100.0
 
 
 class SamplingParamsError(ValueError):
     """A sampling parameter is out of range; the message names it and the valid range."""
+
+
+def _bad(name: str, value: object, rule: str) -> SamplingParamsError:
+    return SamplingParamsError(f"sampling parameter {name}={value!r} is invalid: {rule}")
+
+
+def _is_int(v: object, lo: int = INT64_MIN, hi: int = INT64_MAX) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _is_real(v: object, lo: float, hi: float) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and lo <= v <= hi
+
+
+def _as_tuple(name: str, value: object) -> tuple:
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, list | tuple):
+        raise _bad(name, value, "must be a list")
+    return tuple(value)
 
 
 @dataclass(frozen=True)
@@ -23,27 +49,37 @@ class SamplingParams:
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        def bad(name: str, value: object, rule: str) -> SamplingParamsError:
-            return SamplingParamsError(f"sampling parameter {name}={value!r} is invalid: {rule}")
-
-        if not isinstance(self.temperature, int | float) or not 0.0 <= self.temperature <= 100.0:
-            raise bad("temperature", self.temperature, "must be in [0, 100] (0 = greedy)")
-        if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", self.top_p, "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise bad("top_k", self.top_k, "must be -1, 0 (off) or a positive integer")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise bad("max_tokens", self.max_tokens, "must be a positive integer")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", self.seed, "must be an integer or null")
-        if self.n != 1:
-            raise bad("n", self.n, "only n=1 is supported; send several requests instead")
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", _as_tuple("stop", self.stop))
+        object.__setattr__(self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids))
+        self._check_numbers()
+        self._check_lists()
         object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+
+    def _check_numbers(self) -> None:
+        if not _is_real(self.temperature, 0.0, MAX_TEMPERATURE):
+            raise _bad("temperature", self.temperature, f"must be a number in [0, {MAX_TEMPERATURE:g}] (0 = greedy)")
+        if not _is_real(self.top_p, 0.0, 1.0) or self.top_p == 0:
+            raise _bad("top_p", self.top_p, "must be a number in (0, 1]")
+        if not _is_int(self.top_k, -1):
+            raise _bad("top_k", self.top_k, f"must be -1, 0 (off) or a positive integer <= {INT64_MAX}")
+        if not _is_int(self.max_tokens, 1):
+            raise _bad("max_tokens", self.max_tokens, f"must be an integer in [1, {INT64_MAX}]")
+        if self.seed is not None and not _is_int(self.seed):
+            raise _bad("seed", self.seed, f"must be null or an integer in [{INT64_MIN}, {INT64_MAX}] (int64)")
+        if self.n != 1:
+            raise _bad("n", self.n, "only n=1 is supported; send several requests instead")
+        if not isinstance(self.ignore_eos, bool):
+            raise _bad("ignore_eos", self.ignore_eos, "must be true or false")
+
+    def _check_lists(self) -> None:
+        bad_stop = [s for s in self.stop if not isinstance(s, str)]
+        if bad_stop:
+            raise _bad("stop", self.stop, f"every stop sequence must be a string (got {bad_stop[0]!r})")
+        bad_ids = [t for t in self.stop_token_ids if not _is_int(t, 0)]
+        if bad_ids:
+            raise _bad("stop_token_ids", bad_ids[0], f"token ids must be integers in [0, {INT64_MAX}]")
 
     @property
     def greedy(self) -> bool:

@@ -1,7 +1,7 @@
 """Peer baselines on the same target weights: transformers ``generate`` (plain and prompt lookup) in-process, and
 vLLM (plain and n-gram) in a persistent subprocess of another Python environment (``--vllm-python``).
 
-Both speak the bench's ``Method`` protocol (see ``speed.py``): ``run(prompt token ids, SamplingParams)`` returns a
+Both speak the bench's ``Method`` protocol (see ``methods.py``): ``run(prompt token ids, SamplingParams)`` returns a
 ``Measurement``. transformers exposes no acceptance counters, so its rows carry τ = null; vLLM's come from its own
 ``vllm:spec_decode_*`` counters (``LLM.get_metrics()``), as deltas like ours.
 """
@@ -20,13 +20,14 @@ from typing import Any
 import torch
 
 from dspark.bench.acceptance import SpecCounters
-from dspark.bench.speed import Measurement
+from dspark.bench.methods import Measurement
 from dspark.config import TargetConfig
 from dspark.models.loading import torch_dtype
 from dspark.sampling_params import SamplingParams
 
 VLLM_WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
 PROTOCOL_PREFIX = "@@dspark-bench@@ "
+DEFAULT_KV_SPACE_GIB = 1
 
 
 # ---- transformers -----------------------------------------------------------------------------------------------
@@ -127,8 +128,22 @@ class VLLMError(RuntimeError):
     pass
 
 
+def worker_command(python: str, init: dict[str, Any]) -> list[str]:
+    """``python -P vllm_worker.py INIT``: -P keeps the worker's folder (``dspark/bench``, whose ``profile.py`` and
+    ``datasets.py`` would shadow the modules vLLM imports) off ``sys.path``."""
+    return [python, "-P", str(VLLM_WORKER), json.dumps(init)]
+
+
+def worker_env(kv_space_gib: int | None = None) -> dict[str, str]:
+    """The environment plus the KV space vLLM's CPU build refuses to start without (GiB; else it demands 92 % of
+    memory free): the argument, else the caller's ``VLLM_CPU_KVCACHE_SPACE``, else ``DEFAULT_KV_SPACE_GIB``."""
+    space = kv_space_gib or os.environ.get("VLLM_CPU_KVCACHE_SPACE") or DEFAULT_KV_SPACE_GIB
+    return dict(os.environ) | {"VLLM_CPU_KVCACHE_SPACE": str(space)}
+
+
 class VLLMMethod:
-    """A persistent ``vllm_worker.py`` under another interpreter; one JSON line per request and per reply."""
+    """A persistent ``vllm_worker.py`` under another interpreter, isolated from our package (``worker_command``);
+    one JSON line per request and per reply. Prompts go to vLLM as token ids, exactly ours."""
 
     engine_backed = False
 
@@ -142,6 +157,7 @@ class VLLMMethod:
         seed: int = 0,
         max_model_len: int | None = None,
         env: dict[str, str] | None = None,
+        kv_space_gib: int | None = None,
     ) -> None:
         self.name = name
         self.seed = seed
@@ -156,13 +172,13 @@ class VLLMMethod:
         }
         self.log = tempfile.NamedTemporaryFile(prefix=f"dspark-{name}-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
-            [python, str(VLLM_WORKER), json.dumps(init)],
+            worker_command(python, init),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
             text=True,
             bufsize=1,
-            env=os.environ | (env or {}),
+            env=worker_env(kv_space_gib) | (env or {}),
         )
         ready = self._read()
         self.last = self._counters(ready)

@@ -8,10 +8,10 @@ import os
 import sys
 from pathlib import Path
 
-from dspark.cli import float_list, int_list
-from dspark.config import ConfigError
+from dspark.cli_common import float_list, int_list
+from dspark.config import DTYPES, ConfigError
 
-METHODS_HELP = "ar,dspark,dflash,ngram,hf-generate,hf-prompt-lookup,dspark-adaptive,vllm,vllm-ngram"
+BASELINES_HELP = "dflash,ngram,dspark-adaptive,hf-generate,hf-prompt-lookup,vllm,vllm-ngram"
 
 
 def _names(text: str) -> tuple[str, ...] | None:
@@ -47,7 +47,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         temperatures=args.temperature,
         concurrency=args.concurrency,
-        methods=args.baselines,
+        baselines=args.baselines,
         num_speculative_tokens=args.num_speculative_tokens,
         context_depths=args.context_depths,
         context_prompts=args.context_prompts,
@@ -57,6 +57,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         warmup=not args.no_warmup,
         vllm_python=args.vllm_python,
+        vllm_kv_space_gib=args.vllm_kv_space,
         progress=not args.quiet,
     )
     report = run_bench(cfg)
@@ -88,7 +89,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float_list, default=(0.0,), help="one or more, e.g. 0,1")
     p.add_argument(
-        "--baselines", type=_names, default=None, help=f"methods to run (default: all applicable) from {METHODS_HELP}"
+        "--baselines",
+        type=_names,
+        default=None,
+        help=f"methods to compare against ar and dspark, which always run (default: all applicable) from "
+        f"{BASELINES_HELP}",
     )
     p.add_argument("--concurrency", type=int_list, default=(1,), help="concurrent requests per batch, e.g. 1,4,16")
     p.add_argument("--output", default=None, help="write the results JSON here")
@@ -107,12 +112,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--context-prompts", type=int, default=4, help="prompts per context depth")
     p.add_argument("--context-source", default=None, help="corpus-format JSONL of code used as padding")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens per prompt")
     p.add_argument("--no-warmup", action="store_true", help="skip the one short warm-up call per method")
-    p.add_argument("--vllm-python", default=None, help="python of an environment with vLLM: adds vllm, vllm-ngram")
+    p.add_argument(
+        "--vllm-python",
+        default=None,
+        help="python of an environment with vLLM: adds vllm and vllm-ngram (next to our ngram), each run alone "
+        "after our methods",
+    )
+    p.add_argument(
+        "--vllm-kv-space",
+        type=int,
+        default=None,
+        help="GiB of KV cache for vLLM (default: $VLLM_CPU_KVCACHE_SPACE or 1)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench)
 

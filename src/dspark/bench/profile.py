@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.config import CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
+from dspark.config import DTYPES, CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
 from dspark.engine.engine import Engine
 from dspark.engine.request import Request
 from dspark.models.drafter import DSparkDrafter
@@ -263,7 +263,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed steps per point; the median is kept (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per point (default 2)")
     p.add_argument("--raw", action="store_true", help="keep raw medians (no non-increasing fit over B)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--quiet", action="store_true", help="no per-point lines")
     p.add_argument(

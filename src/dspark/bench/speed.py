@@ -9,15 +9,17 @@ cell.
 
 from __future__ import annotations
 
+import gc
 import math
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from dspark.bench.acceptance import SpecCounters, sum_counters
+from dspark.bench.acceptance import sum_counters
+from dspark.bench.baselines import HFGenerate, VLLMMethod
+from dspark.bench.methods import EngineMethod, Measurement, Method
 from dspark.config import ConfigError, DraftConfig, SpeculativeConfig, TargetConfig
 from dspark.sampling_params import SamplingParams
 
@@ -26,6 +28,19 @@ ENGINE_METHODS = ("ar", "dspark", "dflash", "ngram", "dspark-adaptive")
 HF_METHODS = ("hf-generate", "hf-prompt-lookup")
 VLLM_METHODS = ("vllm", "vllm-ngram")
 ALL_METHODS = ENGINE_METHODS + HF_METHODS + VLLM_METHODS
+ALWAYS_MEASURED = (AR, "dspark")  # --baselines lists the methods to compare against these
+# rows of a cell, in this order: ours, then vLLM's n-gram next to our n-gram, then the other peers
+DISPLAY_ORDER = (
+    "ar",
+    "dspark",
+    "dspark-adaptive",
+    "dflash",
+    "ngram",
+    "vllm-ngram",
+    "hf-generate",
+    "hf-prompt-lookup",
+    "vllm",
+)
 RESULT_KEYS = (
     "name",
     "dataset",
@@ -40,53 +55,6 @@ RESULT_KEYS = (
     "per_position_acceptance",
     "verify_rate",
 )
-
-
-# ---- measurements and methods ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Measurement:
-    output_tokens: int
-    wall_s: float
-    counters: SpecCounters | None  # None: the method has no speculative counters (AR baselines outside our engine)
-
-
-class Method(Protocol):
-    name: str
-    engine_backed: bool  # runs on our engine (eligible for context-depth cells)
-
-    def skip_reason(self, concurrency: int, temperature: float) -> str | None: ...
-    def run(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Measurement: ...
-    def close(self) -> None: ...
-
-
-class EngineMethod:
-    """One of our engines; output tokens and counters are read from ``engine.metrics`` before and after."""
-
-    engine_backed = True
-
-    def __init__(self, name: str, engine: Any) -> None:
-        self.name = name
-        self.engine = engine
-
-    def skip_reason(self, concurrency: int, temperature: float) -> str | None:
-        limit = self.engine.cfg.max_num_seqs
-        return f"concurrency {concurrency} > max_num_seqs {limit}" if concurrency > limit else None
-
-    def run(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Measurement:
-        from dspark.llm import LLM
-
-        m = self.engine.metrics
-        tokens0, spec0 = m.generation_tokens, SpecCounters.of(m.spec)
-        t0 = time.perf_counter()
-        LLM.from_engine(self.engine).generate([list(p) for p in prompts], params)
-        wall = time.perf_counter() - t0
-        counters = SpecCounters.of(m.spec) - spec0 if self.engine.spec is not None else None
-        return Measurement(m.generation_tokens - tokens0, wall, counters)
-
-    def close(self) -> None:
-        pass
 
 
 # ---- rows ---------------------------------------------------------------------------------------------------------
@@ -131,10 +99,20 @@ def measure_cell(
     params: SamplingParams,
     on_measure: Callable[[str], None] | None = None,
 ) -> list[BenchRow]:
-    """Run the cell round-robin over batches and methods; one row per method (``ar`` first, the reference)."""
-    names = [m.name for m in methods]
-    if AR not in names:
+    """Run the cell round-robin over batches and methods; one row per method (``ar`` is the reference)."""
+    if AR not in [m.name for m in methods]:
         raise ConfigError("bench: the 'ar' method (our engine without speculation) is the speed-up reference")
+    return rows_from_measurements(measure_parts(methods, cell, params, on_measure), cell)
+
+
+def measure_parts(
+    methods: Sequence[Method],
+    cell: Cell,
+    params: SamplingParams,
+    on_measure: Callable[[str], None] | None = None,
+) -> dict[str, list[Measurement]]:
+    """The cell's batches, each run by every method in turn (start rotated per batch) → measurements per method."""
+    names = [m.name for m in methods]
     if len(set(names)) != len(names):
         raise ConfigError(f"bench: method names must be unique, got {names}")
     parts: dict[str, list[Measurement]] = {m.name: [] for m in methods}
@@ -145,7 +123,13 @@ def measure_cell(
             parts[method.name].append(method.run(batch, params))
             if on_measure is not None:
                 on_measure(method.name)
-    return rows_from_measurements(parts, cell)
+    return parts
+
+
+def display_rank(name: str) -> int:
+    """Row order in a cell: DISPLAY_ORDER (vLLM's n-gram right after ours), unknown names last."""
+    base = name.split(" (")[0]  # "dflash (head off)" -> "dflash"
+    return DISPLAY_ORDER.index(base) if base in DISPLAY_ORDER else len(DISPLAY_ORDER)
 
 
 def rows_from_measurements(parts: dict[str, list[Measurement]], cell: Cell) -> list[BenchRow]:
@@ -155,7 +139,8 @@ def rows_from_measurements(parts: dict[str, list[Measurement]], cell: Cell) -> l
 
     ref = tps(parts[AR])
     rows = []
-    for name, ms in parts.items():
+    for name in sorted(parts, key=display_rank):
+        ms = parts[name]
         counters = sum_counters([m.counters for m in ms])
         rate = tps(ms)
         rows.append(
@@ -190,7 +175,7 @@ class BenchConfig:
     max_tokens: int = 128
     temperatures: tuple[float, ...] = (0.0,)
     concurrency: tuple[int, ...] = (1,)
-    methods: tuple[str, ...] | None = None  # None: every applicable method
+    baselines: tuple[str, ...] | None = None  # compared against ar + dspark (always run); None: every applicable
     num_speculative_tokens: int | None = None  # None: 7, capped by the drafter's block_size
     context_depths: tuple[int, ...] = ()
     context_prompts: int = 4
@@ -199,7 +184,8 @@ class BenchConfig:
     seed: int = 0
     ignore_eos: bool = False
     warmup: bool = True
-    vllm_python: str | None = None
+    vllm_python: str | None = None  # python of a vLLM environment: adds vllm, vllm-ngram (and our ngram)
+    vllm_kv_space_gib: int | None = None  # VLLM_CPU_KVCACHE_SPACE (None: the environment's, else 1 GiB)
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -211,9 +197,11 @@ class BenchConfig:
             raise ConfigError(f"bench: --context-depths must be positive token counts, got {list(self.context_depths)}")
         if self.max_tokens < 1:
             raise ConfigError(f"bench: --max-tokens must be >= 1, got {self.max_tokens}")
-        unknown = sorted(set(self.methods or ()) - set(ALL_METHODS))
+        unknown = sorted(set(self.baselines or ()) - set(ALL_METHODS))
         if unknown:
             raise ConfigError(f"bench: unknown method(s) {unknown}; choose from {list(ALL_METHODS)}")
+        if self.vllm_kv_space_gib is not None and self.vllm_kv_space_gib < 1:
+            raise ConfigError(f"bench: --vllm-kv-space must be >= 1 GiB, got {self.vllm_kv_space_gib}")
 
 
 @dataclass(frozen=True)
@@ -236,6 +224,7 @@ class Resolved:
 
 
 def resolve_dirs(cfg: BenchConfig) -> Resolved:
+    from dspark.checkpoint.resolve import resolve_model_ref
     from dspark.llm import BUNDLED_DFLASH, BUNDLED_DRAFT, BUNDLED_TARGET, bundled_available
 
     if cfg.model is None and not bundled_available():
@@ -256,31 +245,43 @@ def resolve_dirs(cfg: BenchConfig) -> Resolved:
 
         target_dir, demo = resolve_model(cfg.model), False
         bundled = target_dir.resolve() == BUNDLED_TARGET.resolve()
-        draft_dir = Path(cfg.draft) if cfg.draft else (BUNDLED_DRAFT if bundled else None)
-    dflash_dir = Path(cfg.dflash_draft) if cfg.dflash_draft else None
+        draft_dir = resolve_model_ref(cfg.draft, role="--draft") if cfg.draft else None
+        draft_dir = draft_dir or (BUNDLED_DRAFT if bundled else None)
+    dflash_dir = resolve_model_ref(cfg.dflash_draft, role="--dflash-draft") if cfg.dflash_draft else None
     if dflash_dir is None and not demo and bundled and (BUNDLED_DFLASH / "config.json").exists():
         dflash_dir = BUNDLED_DFLASH
     head_off = dflash_dir is None and draft_dir is not None
     return Resolved(target_dir, draft_dir, dflash_dir or draft_dir, head_off, demo)
 
 
-def _default_methods(cfg: BenchConfig, res: Resolved, notes: list[str]) -> list[str]:
-    if cfg.methods is not None:
-        return [AR, *[m for m in cfg.methods if m != AR]]
-    methods = [AR]
+def method_names(cfg: BenchConfig, res: Resolved, notes: list[str]) -> list[str]:
+    """ar and dspark, then --baselines (default: every applicable one); with --vllm-python also vllm, vllm-ngram and
+    our ngram, so that the two n-gram proposers sit side by side."""
+    names = [AR]
     if res.draft_dir is not None:
-        methods += ["dspark", "dflash"]
-    methods += ["ngram", *HF_METHODS]
+        names.append("dspark")
+    else:
+        notes.append("dspark: skipped (no drafter for this target; pass --draft DIR)")
+    listed = list(cfg.baselines) if cfg.baselines is not None else _applicable(cfg, res, notes)
+    if cfg.vllm_python:
+        listed += ["ngram", *VLLM_METHODS]
+    for n in listed:
+        if n not in names and not (n == "dspark" and res.draft_dir is None):
+            names.append(n)
+    return names
+
+
+def _applicable(cfg: BenchConfig, res: Resolved, notes: list[str]) -> list[str]:
+    names = ["dflash"] if res.draft_dir is not None else []
+    names += ["ngram", *HF_METHODS]
     if res.draft_dir is not None:
         if not DraftConfig.load(res.draft_dir).enable_confidence_head:
             notes.append(f"dspark-adaptive: skipped ({res.draft_dir} has no confidence head)")
         elif _calibration_file(res) is not None:
-            methods.append("dspark-adaptive")
+            names.append("dspark-adaptive")
         else:
             notes.append("dspark-adaptive: skipped (no sts_calibration.json next to the draft; run `dspark calibrate`)")
-    if cfg.vllm_python:
-        methods += list(VLLM_METHODS)
-    return methods
+    return names
 
 
 def _calibration_file(res: Resolved) -> Path | None:
@@ -317,7 +318,6 @@ def _pages_needed(lengths: Sequence[int], concurrency: int, extra: int, page: in
 def run_bench(cfg: BenchConfig) -> BenchReport:
     """Build every method on one loaded target, then run all cells interleaved; see the module docstring."""
     from dspark.bench.datasets import pad_prompts, read_bench_prompts, read_sources
-    from dspark.llm import build_engines
     from dspark.tokenizer import load_tokenizer
 
     notes: list[str] = []
@@ -360,30 +360,13 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
             for t in cfg.temperatures:
                 depth_cells.append(Cell(f"{dataset}@ctx{depth}", t, min(cfg.concurrency), padded, True))
 
-    names = _default_methods(cfg, res, notes)
-    engine_names = [n for n in names if n in ENGINE_METHODS]
-    page = 16
-    extra = cfg.max_tokens + k + 2
-    num_pages = max(
-        [_pages_needed([len(p) for p in c.prompts], c.concurrency, extra, page) for c in cells + depth_cells]
-    )
-    engines = build_engines(
-        res.target_dir,
-        [_spec_for(n, res, k) for n in engine_names],
-        dtype=cfg.dtype,
-        max_num_seqs=max(cfg.concurrency),
-        num_pages=num_pages + max(cfg.concurrency),
-        page_size=page,
-        seed=cfg.seed,
-        max_model_len=max_len,
-    )
-    methods: list[Method] = [EngineMethod(method_label(n, res), e) for n, e in zip(engine_names, engines)]
-    methods += _baseline_methods(names, cfg, res, k, tcfg, max_len, notes)
-    try:
-        rows = _run_cells(methods, cells, depth_cells, cfg, notes)
-    finally:
-        for m in methods:
-            m.close()
+    names = method_names(cfg, res, notes)
+    all_cells = cells + depth_cells
+    measured, labels = _measure_ours([n for n in names if n not in VLLM_METHODS], all_cells, cfg, res, k, tcfg, notes)
+    gc.collect()  # our engines and the transformers model are gone before a vLLM instance starts
+    for n in (n for n in names if n in VLLM_METHODS):
+        labels += _measure_vllm(n, all_cells, measured, cfg, res, k, max_len, notes)
+    rows = [r for cell, parts in zip(all_cells, measured) for r in rows_from_measurements(parts, cell)]
     config = {
         "model": str(res.target_dir),
         "draft": str(res.draft_dir) if res.draft_dir else None,
@@ -395,27 +378,58 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
         "max_tokens": cfg.max_tokens,
         "temperatures": list(cfg.temperatures),
         "concurrency": list(cfg.concurrency),
-        "methods": [m.name for m in methods],
+        "methods": labels,
         "num_speculative_tokens": k,
         "context_depths": list(cfg.context_depths),
         "context_prompts": cfg.context_prompts,
         "dtype": cfg.dtype,
         "seed": cfg.seed,
         "ignore_eos": cfg.ignore_eos,
-        "interleaving": "round-robin over batches, start method rotated per batch",
+        "interleaving": "round-robin over batches, start method rotated per batch; each vLLM method afterwards, "
+        "alone (our engines freed, one vLLM instance at a time)",
     }
     return BenchReport(config, rows, notes)
 
 
-def _baseline_methods(
-    names: list[str], cfg: BenchConfig, res: Resolved, k: int, tcfg: TargetConfig, max_len: int, notes: list[str]
-) -> list[Method]:
-    from dspark.bench.baselines import HFGenerate, VLLMMethod
+Parts = dict[str, list[Measurement]]
 
+
+def _measure_ours(
+    names: list[str], cells: list[Cell], cfg: BenchConfig, res: Resolved, k: int, tcfg: TargetConfig, notes: list[str]
+) -> tuple[list[Parts], list[str]]:
+    """Phase 1: our engines and the transformers baselines, interleaved; all of them are closed on return."""
+    from dspark.llm import build_engines
+
+    engine_names = [n for n in names if n in ENGINE_METHODS]
+    page = 16
+    extra = cfg.max_tokens + k + 2
+    num_pages = max([_pages_needed([len(p) for p in c.prompts], c.concurrency, extra, page) for c in cells])
+    engines = build_engines(
+        res.target_dir,
+        [_spec_for(n, res, k) for n in engine_names],
+        dtype=cfg.dtype,
+        max_num_seqs=max(cfg.concurrency),
+        num_pages=num_pages + max(cfg.concurrency),
+        page_size=page,
+        seed=cfg.seed,
+        max_model_len=min(tcfg.max_position_embeddings, 32768),
+    )
+    methods: list[Method] = [EngineMethod(method_label(n, res), e) for n, e in zip(engine_names, engines)]
+    del engines
+    methods += _hf_methods([n for n in names if n in HF_METHODS], cfg, res, k, tcfg, notes)
+    try:
+        return _run_phase(methods, cells, cfg, notes), [m.name for m in methods]
+    finally:
+        for m in methods:
+            m.close()
+
+
+def _hf_methods(
+    names: list[str], cfg: BenchConfig, res: Resolved, k: int, tcfg: TargetConfig, notes: list[str]
+) -> list[Method]:
     out: list[Method] = []
-    hf = [n for n in names if n in HF_METHODS]
     model = None
-    for n in hf:
+    for n in names:
         try:
             m = HFGenerate(n, res.target_dir, cfg.dtype, tcfg, k if n == "hf-prompt-lookup" else None, cfg.seed, model)
         except Exception as e:  # transformers cannot load this target: report, keep benchmarking the rest
@@ -423,36 +437,55 @@ def _baseline_methods(
             continue
         model = m.model
         out.append(m)
-    for n in (n for n in names if n in VLLM_METHODS):
-        if not cfg.vllm_python:
-            notes.append(f"{n}: skipped (pass --vllm-python PYTHON with vLLM installed)")
-            continue
-        spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
-        vspec = spec if n == "vllm-ngram" else None
-        out.append(VLLMMethod(n, cfg.vllm_python, res.target_dir, vspec, cfg.dtype, cfg.seed, max_model_len=max_len))
     return out
 
 
-def _run_cells(
-    methods: list[Method], cells: list[Cell], depth_cells: list[Cell], cfg: BenchConfig, notes: list[str]
-) -> list[BenchRow]:
+def vllm_spec(name: str, k: int) -> dict[str, Any] | None:
+    """vLLM's speculative_config for a vLLM method: prompt lookup over 1..4-grams (vLLM's defaults), K tokens."""
+    if name == "vllm":
+        return None
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+
+
+def _measure_vllm(
+    name: str,
+    cells: list[Cell],
+    measured: list[Parts],
+    cfg: BenchConfig,
+    res: Resolved,
+    k: int,
+    max_len: int,
+    notes: list[str],
+) -> list[str]:
+    """A vLLM phase: one vLLM instance, alone, over every cell that is not engine-only; adds its measurements to
+    ``measured`` (speed-up stays relative to our ``ar`` of the same cell)."""
+    if not cfg.vllm_python:
+        notes.append(f"{name}: skipped (pass --vllm-python PYTHON with vLLM installed)")
+        return []
+    spec = vllm_spec(name, k)
+    method = VLLMMethod(
+        name, cfg.vllm_python, res.target_dir, spec, cfg.dtype, cfg.seed, max_len, None, cfg.vllm_kv_space_gib
+    )
+    try:
+        open_cells = [(c, parts) for c, parts in zip(cells, measured) if not c.engine_only]
+        phase = _run_phase([method], [c for c, _ in open_cells], cfg, notes)
+    finally:
+        method.close()
+    for (_, parts), got in zip(open_cells, phase):
+        parts |= got
+    return [name]
+
+
+def _run_phase(methods: list[Method], cells: list[Cell], cfg: BenchConfig, notes: list[str]) -> list[Parts]:
+    """Warm every method up, then measure each cell with the methods that apply to it (round-robin)."""
     from tqdm import tqdm
 
-    plan: list[tuple[Cell, list[Method]]] = []
-    for cell in cells + depth_cells:
-        active = []
-        for m in (m for m in methods if m.engine_backed or not cell.engine_only):
-            why = m.skip_reason(cell.concurrency, cell.temperature)
-            if why is None:
-                active.append(m)
-            else:
-                notes.append(f"{m.name}: skipped at T={cell.temperature:g} concurrency={cell.concurrency} ({why})")
-        plan.append((cell, active))
+    plan = [(cell, _active(methods, cell, notes)) for cell in cells]
     total = sum(len(a) * math.ceil(len(c.prompts) / c.concurrency) for c, a in plan)
     params = SamplingParams(max_tokens=cfg.max_tokens, ignore_eos=cfg.ignore_eos)
-    rows: list[BenchRow] = []
+    out: list[Parts] = []
     with tqdm(total=total, unit="batch", disable=not cfg.progress, dynamic_ncols=True) as bar:
-        if cfg.warmup:
+        if cfg.warmup and cells:
             warm = replace(params, max_tokens=min(4, cfg.max_tokens), temperature=cfg.temperatures[0])
             for m in methods:
                 bar.set_description(f"warm-up {m.name}")
@@ -464,8 +497,19 @@ def _run_cells(
                 bar.set_description(f"{label} {name}")
                 bar.update(1)
 
-            rows += measure_cell(active, cell, params, tick)
-    return rows
+            out.append(measure_parts(active, cell, params, tick) if active else {})
+    return out
+
+
+def _active(methods: list[Method], cell: Cell, notes: list[str]) -> list[Method]:
+    active = []
+    for m in (m for m in methods if m.engine_backed or not cell.engine_only):
+        why = m.skip_reason(cell.concurrency, cell.temperature)
+        if why is None:
+            active.append(m)
+        else:
+            notes.append(f"{m.name}: skipped at T={cell.temperature:g} concurrency={cell.concurrency} ({why})")
+    return active
 
 
 # ---- output ----------------------------------------------------------------------------------------------------------

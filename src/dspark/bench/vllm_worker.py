@@ -1,7 +1,8 @@
 """Stand-alone vLLM worker for ``dspark bench --vllm-python PYTHON`` (imports only vLLM and the standard library).
 
-Run as ``PYTHON vllm_worker.py '<init json>'`` with init = {"model", "dtype", "seed", "speculative_config",
-"max_model_len"}. It loads ``vllm.LLM`` once, then answers one request per stdin line::
+Run as ``PYTHON -P vllm_worker.py '<init json>'`` (``-P``: this folder stays off ``sys.path``) with init =
+{"model", "dtype", "seed", "speculative_config", "max_model_len"}. It loads ``vllm.LLM`` once, then answers one
+request per stdin line (prompts are token ids, passed to vLLM as ``prompt_token_ids``)::
 
     {"prompts": [[token ids], ...], "temperature", "top_p", "top_k", "max_tokens", "ignore_eos", "seed"}
     -> {"output_tokens": int, "wall_s": float, "spec": {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
@@ -41,7 +42,15 @@ def spec_counters(llm):
     return out if seen else None
 
 
+def isolate() -> None:
+    """Drop this file's folder from sys.path (``python -P`` does it at start-up; this covers a run by hand):
+    ``dspark/bench`` holds ``profile.py`` and ``datasets.py``, which would shadow the modules vLLM imports."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+
+
 def main():
+    isolate()
     init = json.loads(sys.argv[1])
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)

@@ -28,10 +28,14 @@ class BatchStore:
         cache = self.pool[self.layer_offset + layer]
         cache.index_copy_(0, self.write_slots.reshape(-1), latent.reshape(-1, latent.shape[-1]).to(cache.dtype))
 
+    def read(self, layer: int) -> torch.Tensor:
+        """The rows at the read slots of ``layer``: [B, S, W]."""
+        return self.pool[self.layer_offset + layer][self.read_slots]
+
     def update(self, layer: int, latent: torch.Tensor) -> torch.Tensor:
         """latent [B, T, W] → keys [B, S, W] after writing the new rows."""
         self.write(layer, latent)
-        return self.pool[self.layer_offset + layer][self.read_slots]
+        return self.read(layer)
 
 
 class PagedLatentPool:

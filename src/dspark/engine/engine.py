@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 import warnings
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,8 @@ from dspark.spec.propose import Proposal, SamplingTensors
 from dspark.spec.schedule import SpsTable, choose_verify_lengths, default_cost_model, load_sts
 from dspark.tokenizer import ByteTokenizer, HFTokenizer
 
+logger = logging.getLogger("dspark.engine")
+
 
 class EngineError(ValueError):
     """A request cannot be served as given (the message says why and what to change)."""
@@ -49,6 +52,7 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    error: str | None = None  # set when finish_reason == "error": what raised while this request was processed
 
 
 @dataclass
@@ -189,19 +193,47 @@ class Engine:
             sched = self.scheduler.schedule()
         self.metrics.num_preemptions += len(sched.preempted)
         if sched.prefills:
-            self._prefill(sched.prefills)
+            self._isolated(self._prefill, sched.prefills, [c.request for c in sched.prefills])
         decodes = [r for r in sched.decodes if not r.finished]
         if decodes:
-            with scope("step.metadata"):
-                sampling = self.runner.sampling_tensors(decodes, self.K + 1)
-            proposal = self._propose(decodes, sampling)  # drafter block, n-gram lookup, or none
-            lengths = self._verify_lengths(decodes, proposal)  # fixed K or Algorithm 1
-            logits = self._verify(decodes, proposal, lengths)  # one target forward over [anchor, d_1..d_L]
-            self._accept_and_commit(decodes, proposal, lengths, logits, sampling)
+            self._isolated(self._decode, decodes, decodes)
         self.metrics.maybe_log()
         return self._drain()
 
+    def _isolated(self, phase: Callable[[list], None], items: list, reqs: list[Request]) -> None:
+        """Run ``phase(items)``; if it raises, rerun each item alone and fail only the requests that raise alone.
+
+        A rerun is safe: a phase commits a request only after every forward of the batch succeeded, rewrites the
+        same cache slots, and draws counter-keyed (not stateful) randomness; a request committed before a later
+        one raised simply takes one more step."""
+        try:
+            return phase(items)
+        except Exception as e:  # noqa: BLE001 - isolated below; the engine itself must keep serving
+            if len(items) == 1:
+                return self._fail(reqs[0], e)
+        for item, req in zip(items, reqs):
+            if req.finished:
+                continue
+            try:
+                phase([item])
+            except Exception as e:  # noqa: BLE001 - this request alone raises: finish it with the error
+                self._fail(req, e)
+
+    def _fail(self, req: Request, error: Exception) -> None:
+        logger.error("request %s failed and was finished with an error", req.request_id, exc_info=error)
+        req.error = f"{type(error).__name__}: {error}"
+        self._finish(req, "error")
+        self.metrics.num_requests_failed += 1
+
     # ---- phases ------------------------------------------------------------------------------------------
+    def _decode(self, decodes: list[Request]) -> None:
+        with scope("step.metadata"):
+            sampling = self.runner.sampling_tensors(decodes, self.K + 1)
+        proposal = self._propose(decodes, sampling)  # drafter block, n-gram lookup, or none
+        lengths = self._verify_lengths(decodes, proposal)  # fixed K or Algorithm 1
+        logits = self._verify(decodes, proposal, lengths)  # one target forward over [anchor, d_1..d_L]
+        self._accept_and_commit(decodes, proposal, lengths, logits, sampling)
+
     def _prefill(self, chunks: list[PrefillChunk]) -> None:
         reqs = [c.request for c in chunks]
         tokens = [c.request.all_ids[c.start : c.end] for c in chunks]
@@ -311,7 +343,7 @@ class Engine:
         req.stop_reason = stop_reason
         req.finish_time = time.monotonic()
         self.scheduler.release(req)
-        if reason != "abort":
+        if reason not in ("abort", "error"):
             self.metrics.num_requests_finished += 1
         self._updated.append(req)
 
@@ -340,6 +372,7 @@ class Engine:
             req.arrival,
             req.first_token_time,
             req.finish_time,
+            req.error,
         )
 
     def _drain(self) -> list[RequestOutput]:

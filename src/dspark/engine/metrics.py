@@ -59,6 +59,7 @@ class EngineMetrics:
     spec: SpecDecodingMetrics = field(default_factory=SpecDecodingMetrics)
     num_requests_finished: int = 0
     num_requests_aborted: int = 0
+    num_requests_failed: int = 0  # finished with an error (see Engine._isolated)
     num_preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0

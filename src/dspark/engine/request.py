@@ -33,6 +33,7 @@ class Request:
     finish_time: float | None = None
     num_preemptions: int = 0
     aborted: bool = False
+    error: str | None = None  # what raised while processing this request (finish_reason "error")
 
     @property
     def all_ids(self) -> list[int]:

@@ -62,18 +62,15 @@ class ModelRunner:
         Python side only flattens the token lists and block tables."""
         lens = [len(t) for t in tokens]
         T, S = max(lens), max(s + n for s, n in zip(starts, lens))
-        page, scratch = self.pool.page_size, self.pool.scratch_slot
+        scratch = self.pool.scratch_slot
         lengths = torch.tensor(lens, dtype=torch.long)
         start = torch.tensor(starts, dtype=torch.long)
-        table = self._page_table(reqs)  # [B, P]
         positions = start[:, None] + torch.arange(T)  # [B, T] (padding rows continue past the end)
         valid = torch.arange(T) < lengths[:, None]
         ids = torch.zeros(len(reqs), T, dtype=torch.long)
         ids[valid] = torch.tensor([tok for t in tokens for tok in t], dtype=torch.long)
         keys = torch.arange(S)
-        end = (start + lengths)[:, None]
-        read = _slots(table, keys.expand(len(reqs), S).clamp(max=table.shape[1] * page - 1), page)
-        read = torch.where(keys < end, read, scratch)  # [B, S]
+        read = self.context_slots(reqs, [s + n for s, n in zip(starts, lens)])  # [B, S]
         write = torch.where(valid, read.gather(1, positions.clamp(max=S - 1)), scratch)  # [B, T]
         positions = torch.where(valid, positions, 0)  # padding rows: position 0, see key 0 only
         mask = keys[None, None, :] <= positions[:, :, None]
@@ -114,24 +111,21 @@ class ModelRunner:
         topk: int | None,
     ) -> Proposal:
         assert self.drafter is not None
-        K = sampling.counters.shape[1] - 1
         with scope("step.metadata"):
-            anchors = torch.tensor([r.all_ids[r.num_computed] for r in reqs], dtype=torch.long)
             starts = [r.num_computed for r in reqs]
-            blocks = [[0] * K for _ in reqs]
-            batch = self.build(reqs, starts, blocks)
-        store = self.pool.view(batch.write_slots, batch.read_slots, self.draft_layer_offset)
-        return draft_block(
-            self.drafter,
-            anchors,
-            torch.tensor(starts, dtype=torch.long),
-            batch.read_slots.shape[1],
-            store,
-            sampling,
-            probabilistic,
-            use_markov,
-            topk,
-        )
+            anchors = torch.tensor([r.all_ids[s] for r, s in zip(reqs, starts)], dtype=torch.long)
+            read = self.context_slots(reqs, starts)
+            context = self.pool.view(read[:, :0], read, self.draft_layer_offset)  # read only: no new rows
+            positions = torch.tensor(starts, dtype=torch.long)
+        return draft_block(self.drafter, anchors, positions, context, sampling, probabilistic, use_markov, topk)
+
+    def context_slots(self, reqs: Sequence[Request], ends: Sequence[int]) -> torch.Tensor:
+        """[B, max(ends)] flat slots of positions 0..end-1 per request (scratch slot after its end)."""
+        page, S = self.pool.page_size, max(ends)
+        table = self._page_table(reqs)  # [B, P]
+        keys = torch.arange(S)
+        read = _slots(table, keys.expand(len(reqs), S).clamp(max=table.shape[1] * page - 1), page)
+        return torch.where(keys < torch.tensor(ends, dtype=torch.long)[:, None], read, self.pool.scratch_slot)
 
     @staticmethod
     def propose_ngram(reqs: Sequence[Request], k: int, min_n: int, max_n: int) -> Proposal:

@@ -48,6 +48,7 @@ class GQAttention(nn.Module):
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.interleave = cfg.rope.interleave
         self.scale = hd**-0.5
+        self.backend = "sdpa"  # "sdpa" | "torch"
 
     def latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, T, D] → [B, T, 2·kvH·hd] = [rope(k_norm(k)) | v]."""
@@ -62,14 +63,16 @@ class GQAttention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim))
         q = apply_rope(q, cos[:, :, None], sin[:, :, None], self.interleave).transpose(1, 2)
         k, v = kv.to(q.dtype).view(B, S, 2, self.num_kv, self.head_dim).unbind(2)
-        out = F.scaled_dot_product_attention(
-            q,
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=attention_bias(mask).to(q.dtype),
-            scale=self.scale,
-            enable_gqa=True,
-        )
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, kvH, S, hd]
+        if self.backend == "sdpa":
+            bias = attention_bias(mask).to(q.dtype)  # [B, 1, T, S]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scale, enable_gqa=True)
+        else:  # explicit: repeat the KV heads, fp32 scores and softmax
+            rep = self.num_heads // self.num_kv
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            scores = (q.float() @ k.float().transpose(-1, -2)) * self.scale  # [B, H, T, S]
+            probs = (scores + attention_bias(mask)).softmax(-1)
+            out = probs.to(v.dtype) @ v
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
@@ -77,7 +80,9 @@ class DraftLayer(nn.Module):
     def __init__(self, cfg: DraftConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn: nn.Module = GQAttention(cfg, layer_idx) if cfg.is_gqa else MLAttention(cfg.mla, layer_idx)
+        self.self_attn: GQAttention | MLAttention = (
+            GQAttention(cfg, layer_idx) if cfg.is_gqa else MLAttention(cfg.mla, layer_idx)
+        )
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
@@ -137,6 +142,16 @@ class DSparkDrafter(nn.Module):
                 layer.mlp.fuse()
 
     # ---- borrowed target modules -------------------------------------------------------------------
+    def set_attention_backend(self, backend: str | None) -> None:
+        """Run every layer's attention with backend 'torch' or 'sdpa' (None keeps each layer's default)."""
+        if backend is None:
+            return
+        if backend not in ("torch", "sdpa"):
+            raise ValueError(f"attention backend {backend!r}: use 'torch' or 'sdpa'")
+        for layer in self.layers:
+            assert isinstance(layer, DraftLayer)
+            layer.self_attn.backend = backend
+
     def attach(self, embed_tokens: nn.Embedding, lm_head: nn.Module) -> None:
         """Use the target's embedding (always) and an lm_head (own lm_head.safetensors or the target's)."""
         if embed_tokens.weight.shape[1] != self.config.hidden_size:

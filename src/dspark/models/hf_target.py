@@ -1,14 +1,15 @@
 """Any ``transformers`` causal LM as a target (Llama / Qwen3 class), behind the MLA target's interface.
 
 HF targets keep no pages in the unified latent pool (their KV layout is not the 576-wide MLA latent): every
-forward recomputes the committed prefix in one batched pass (``paged = False``), and the taps come from HF
-``hidden_states[i + 1]`` (the output of decoder layer i). Correct and batched, but O(prefix) per step: use the
-MLA target for speed.
+forward recomputes the committed prefix in one batched pass (``paged = False``). Tap i is the raw output of
+decoder layer i (a forward hook), as on the MLA target and in DeepSpec's training cache; HF's last
+``hidden_states`` entry is post-norm. Correct and batched, but O(prefix) per step: use the MLA target for speed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +78,10 @@ class HFTarget(nn.Module):
     def lm_head(self) -> nn.Module:
         return self.model.get_output_embeddings()
 
+    def _tap_module(self, layer: int) -> nn.Module:
+        """Tap ``layer`` reads this module's raw output: decoder layer i, or the embedding for -1."""
+        return self.model.get_input_embeddings() if layer == -1 else self.model.get_decoder().layers[layer]
+
     def forward_rows(
         self,
         sequences: Sequence[Sequence[int]],
@@ -93,7 +98,8 @@ class HFTarget(nn.Module):
         for i, s in enumerate(sequences):
             ids[i, : len(s)] = torch.tensor(list(s), dtype=torch.long)
             attn[i, : len(s)] = 1
-        out = self.model(input_ids=ids, attention_mask=attn, output_hidden_states=bool(tap_layers))
+        with _capture_outputs([self._tap_module(i) for i in tap_layers]) as captured:
+            out = self.model(input_ids=ids, attention_mask=attn)
         logits = out.logits.float()
         T = max(len(s) - st for s, st in zip(sequences, starts))
         rows = torch.zeros(B, T, dtype=torch.long)
@@ -108,6 +114,27 @@ class HFTarget(nn.Module):
             picked = logits.gather(1, rows[..., None].expand(-1, -1, logits.shape[-1]))
         taps = None
         if tap_layers:
-            hs = torch.cat([out.hidden_states[i + 1] for i in tap_layers], -1)
+            hs = torch.cat(captured, -1)
             taps = hs.gather(1, rows[..., None].expand(-1, -1, hs.shape[-1]))
         return picked, taps
+
+
+@contextmanager
+def _capture_outputs(modules: Sequence[nn.Module]) -> Iterator[list[torch.Tensor]]:
+    """Collect each module's forward output (first element of a tuple) in the given order while inside."""
+    slots: list[torch.Tensor | None] = [None] * len(modules)
+
+    def hook(i: int):
+        def save(_module: nn.Module, _args: object, output: object) -> None:
+            slots[i] = output[0] if isinstance(output, tuple) else output  # type: ignore[assignment]
+
+        return save
+
+    captured: list[torch.Tensor] = []
+    handles = [m.register_forward_hook(hook(i)) for i, m in enumerate(modules)]
+    try:
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()
+    captured.extend(t for t in slots if t is not None)

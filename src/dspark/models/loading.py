@@ -11,9 +11,10 @@ from torch import nn
 
 from dspark.checkpoint.io import list_checkpoint_tensors, save_state_dict
 from dspark.checkpoint.roster import TensorSpec, load_module_strict, module_roster
-from dspark.config import ConfigError, DraftConfig, TargetConfig, read_json
+from dspark.config import ConfigError, DraftConfig, KimiLinearConfig, TargetConfig, read_json
 from dspark.models.drafter import DSparkDrafter
-from dspark.models.target import MLATarget
+from dspark.models.kimi_linear import HybridLayer, KimiLinearTarget, checkpoint_name
+from dspark.models.target import MLATarget, MoE
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -92,6 +93,85 @@ def save_target(model: MLATarget, path: str | Path, dtype: str | torch.dtype | N
 
 
 # --------------------------------------------------------------------------------------------------------
+# hybrid KDA + MLA target (kimi_linear)
+# --------------------------------------------------------------------------------------------------------
+
+
+def _dense_prefix(path: str | Path, cfg: KimiLinearConfig) -> str:
+    """Dense FFN prefix: "mlp" (Moonshot's files) or transformers' save_pretrained "block_sparse_moe"."""
+    dense = [i for i, t in enumerate(cfg.mlp_layer_types) if t == "dense"]
+    if dense and f"model.layers.{dense[0]}.mlp.gate_proj.weight" in list_checkpoint_tensors(path):
+        return "mlp"
+    return "block_sparse_moe"
+
+
+def kimi_roster(cfg: KimiLinearConfig) -> dict[str, TensorSpec]:
+    """Expected checkpoint tensors of a kimi_linear config, on the meta device: one layer of each kind (KDA/MLA ×
+    dense/MoE) is built and its names repeated, so K3's 93 layers × 896 experts take about a second."""
+    rename = _kimi_rename(cfg)
+    kinds: dict[tuple[bool, str], dict[str, TensorSpec]] = {}
+    one = replace(
+        cfg,
+        base=replace(cfg.base, num_hidden_layers=1),
+        layer_types=cfg.layer_types[:1],
+        mlp_layer_types=cfg.mlp_layer_types[:1],
+    )
+    with torch.device("meta"):
+        shell = module_roster(KimiLinearTarget(one))
+        for i in range(cfg.num_hidden_layers):
+            kind = (cfg.is_kda(i), cfg.mlp_layer_types[i])
+            if kind not in kinds:
+                kinds[kind] = module_roster(HybridLayer(cfg, i, 0))
+    layers = {
+        n: s
+        for i in range(cfg.num_hidden_layers)
+        for rest, s in kinds[(cfg.is_kda(i), cfg.mlp_layer_types[i])].items()
+        if (n := rename(f"model.layers.{i}.{rest}")) is not None
+    }
+    out = {n: s for name, s in shell.items() if not name.startswith("model.layers.") and (n := rename(name))}
+    head = {k: v for k, v in out.items() if k.startswith("model.embed")}
+    return head | layers | {k: v for k, v in out.items() if k not in head}
+
+
+def _kimi_rename(cfg: KimiLinearConfig, dense_prefix: str = "block_sparse_moe"):
+    tied = cfg.base.tie_word_embeddings
+
+    def rename(name: str) -> str | None:
+        if name.startswith("rotary.") or (tied and name == "lm_head.weight"):
+            return None
+        return checkpoint_name(name, dense_prefix)
+
+    return rename
+
+
+def load_kimi_linear(path: str | Path, dtype: str | torch.dtype = "float32") -> KimiLinearTarget:
+    """Load a ``kimi_linear`` directory (transformers' save_pretrained output or Moonshot's layout) unchanged."""
+    cfg = KimiLinearConfig.load(path)
+    model = KimiLinearTarget(cfg)
+    load_module_strict(model, path, rename=_kimi_rename(cfg, _dense_prefix(path, cfg)))
+    model.to(torch_dtype(dtype))
+    for layer in model.model.layers:  # router, correction bias and the KDA decay parameters stay fp32
+        if isinstance(layer.mlp, MoE):
+            layer.mlp.gate.float()
+        if layer.is_kda:
+            layer.self_attn.A_log.data = layer.self_attn.A_log.data.float()
+            layer.self_attn.dt_bias.data = layer.self_attn.dt_bias.data.float()
+    return model.eval()
+
+
+def save_kimi_linear(model: KimiLinearTarget, path: str | Path, dtype: str | torch.dtype | None = None) -> None:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    rename = _kimi_rename(model.config)
+    state = {n: v for k, v in model.state_dict().items() if (n := rename(k)) is not None}
+    save_state_dict(state, path, dtype=torch_dtype(dtype) if dtype else None)
+    d = model.config.to_hf_dict()
+    if dtype:
+        d["torch_dtype"] = str(torch_dtype(dtype)).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps(d, indent=2))
+
+
+# --------------------------------------------------------------------------------------------------------
 # drafter
 # --------------------------------------------------------------------------------------------------------
 
@@ -150,9 +230,11 @@ def save_drafter(
     (path / "config.json").write_text(json.dumps(d, indent=2))
 
 
-def read_config_any(path: str | Path) -> TargetConfig | DraftConfig:
-    """A config.json (or directory) as a TargetConfig or DraftConfig, by its architecture/model_type."""
+def read_config_any(path: str | Path) -> TargetConfig | DraftConfig | KimiLinearConfig:
+    """A config.json (or directory) as a TargetConfig, KimiLinearConfig or DraftConfig, by architecture/model_type."""
     d = read_json(path)
+    if d.get("model_type") == "kimi_linear":
+        return KimiLinearConfig.from_dict(d, source=str(path))
     archs = d.get("architectures") or []
     if d.get("model_type") == "k3_dspark" or any(a.endswith("DSparkModel") for a in archs):
         return DraftConfig.from_dict(d, source=str(path))

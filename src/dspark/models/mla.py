@@ -5,6 +5,8 @@ Reference: k3-mla-architecture.md §3. Two paths over the same weights:
 - ``absorbed``: fold W_UK into the query and W_UV into the output so attention runs directly on the cached
   (kv_lora_rank + rope dim)-wide latent (576 for K3) with one shared "KV head".
 The cache only ever holds the latent ``[kv_a_layernorm(c_kv) | rope(k_pe)]``.
+Either path runs its softmax(QKᵀ)V with one of two backends (``backend``): "torch" (explicit matmul + fp32
+softmax, the reference) or "sdpa" (torch's fused scaled_dot_product_attention kernel).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dspark.config import MLAConfig
@@ -29,10 +32,11 @@ class LatentStore(Protocol):
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: MLAConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: MLAConfig, layer_idx: int, backend: str = "torch") -> None:
         super().__init__()
         self.cfg = cfg
         self.layer_idx = layer_idx
+        self.backend = backend  # "torch" | "sdpa"
         H, D = cfg.num_heads, cfg.hidden_size
         if cfg.q_lora_rank is None:
             self.q_proj = nn.Linear(D, H * cfg.qk_head_dim, bias=False)
@@ -102,6 +106,11 @@ class MLAttention(nn.Module):
         k_pe = kv[..., None, C:].expand(B, S, H, self.cfg.qk_rope_head_dim)
         q = torch.cat((q_nope, q_pe), -1).transpose(1, 2)  # [B, H, T, Dn+R]
         k = torch.cat((k_nope, k_pe), -1).transpose(1, 2)  # [B, H, S, Dn+R]
+        if self.backend == "sdpa":
+            out = F.scaled_dot_product_attention(
+                q, k, v.transpose(1, 2), attn_mask=attention_bias(mask).to(q.dtype), scale=self.scale
+            )
+            return out.transpose(1, 2).flatten(2)
         scores = (q.float() @ k.float().transpose(-1, -2)) * self.scale
         probs = (scores + attention_bias(mask)).softmax(-1).to(v.dtype)
         out = probs @ v.transpose(1, 2)  # [B, H, T, Dv]
@@ -117,10 +126,17 @@ class MLAttention(nn.Module):
         w_uk = self._w_uk_uv()[0]
         q_lat = torch.matmul(q_nope.permute(2, 0, 1, 3).reshape(H, B * T, Dn), w_uk)  # [H, B·T, C]
         q = torch.cat((q_lat.view(H, B, T, C).transpose(0, 1), q_pe.transpose(1, 2)), -1)  # [B, H, T, C+R]
-        scores = latent_scores(q.reshape(B, H * T, -1), kv).mul_(self.scale).view(B, H, T, -1)  # fp32
-        probs = (scores + attention_bias(mask)).softmax(-1).to(kv.dtype).view(B, H * T, -1)
-        o_lat = torch.matmul(probs, kv[..., :C]).view(B, H, T, C).transpose(0, 1).reshape(H, B * T, C)
-        out = torch.matmul(o_lat, self._w_uv_t())  # [H, B·T, Dv]
+        if self.backend == "sdpa":  # MQA: H query heads over one 576-wide KV head, values = its first C
+            kv1 = kv[:, None]  # [B, 1, S, C+R]
+            bias = attention_bias(mask).to(q.dtype)
+            o_lat = F.scaled_dot_product_attention(
+                q, kv1, kv1[..., :C], attn_mask=bias, scale=self.scale, enable_gqa=True
+            )  # [B, H, T, C]
+        else:
+            scores = latent_scores(q.reshape(B, H * T, -1), kv).mul_(self.scale).view(B, H, T, -1)  # fp32
+            probs = (scores + attention_bias(mask)).softmax(-1).to(kv.dtype).view(B, H * T, -1)
+            o_lat = torch.matmul(probs, kv[..., :C]).view(B, H, T, C)
+        out = torch.matmul(o_lat.transpose(0, 1).reshape(H, B * T, C), self._w_uv_t())  # [H, B·T, Dv]
         return out.view(H, B, T, -1).permute(1, 2, 0, 3).flatten(2)  # [B, T, H·Dv]
 
     def forward(

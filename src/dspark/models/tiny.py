@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from dspark.config import DraftConfig, RopeConfig, TargetConfig
+from dspark.config import RANDOM_WEIGHTS_KEY, DraftConfig, RopeConfig, TargetConfig
 from dspark.models.drafter import DSparkDrafter
 from dspark.models.target import MLATarget
 
@@ -62,6 +63,7 @@ def tiny_draft_config(
     head_type: str = "vanilla",
     taps: tuple[int, ...] | None = None,
     confidence: bool = True,
+    block_size: int | None = None,
 ) -> DraftConfig:
     taps = taps or tuple(sorted({0, max(target.num_hidden_layers - 2, 0)}))
     return DraftConfig(
@@ -86,6 +88,7 @@ def tiny_draft_config(
         markov_head_type=head_type,
         enable_confidence_head=confidence,
         confidence_head_with_markov=True,
+        block_size=block_size,
         bos_token_id=0,
         eos_token_id=1,
         pad_token_id=2,
@@ -131,4 +134,12 @@ def write_tiny_pair(directory: str | Path, seed: int = 0, **kw) -> tuple[Path, P
     target, drafter = build_tiny_pair(seed, **kw)
     save_target(target, directory / "target")
     save_drafter(drafter, directory / "draft", dtype="float32")
+    mark_random_weights(directory / "target")
     return directory / "target", directory / "draft"
+
+
+def mark_random_weights(model_dir: str | Path) -> None:
+    """Mark a saved model as explicitly random test weights: only such a model may run without a tokenizer
+    file (a byte tokenizer stands in; the doctor refuses any other target without tokenizer.json)."""
+    p = Path(model_dir) / "config.json"
+    p.write_text(json.dumps(json.loads(p.read_text()) | {RANDOM_WEIGHTS_KEY: True}, indent=2))

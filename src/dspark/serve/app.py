@@ -32,7 +32,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dspark import __version__
 from dspark.engine.engine import Engine, EngineError, RequestOutput
 from dspark.sampling_params import SamplingParams, SamplingParamsError
-from dspark.serve.async_engine import AsyncEngine, EngineDeadError, IncrementalText, QueueFullError, RequestStream
+from dspark.serve.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    IncrementalText,
+    QueueFullError,
+    RequestFailedError,
+    RequestStream,
+)
 from dspark.serve.metrics import CONTENT_TYPE, ServerMetrics
 from dspark.serve.protocol import (
     CHAT_DEFAULT_MAX_TOKENS,
@@ -95,6 +102,8 @@ def _from_exception(e: BaseException) -> APIError:
         return APIError(400, str(e), param=m.group(1) if m else None, code="invalid_value")
     if isinstance(e, EngineError):
         return APIError(400, str(e), code="invalid_value")
+    if isinstance(e, RequestFailedError):
+        return APIError(500, str(e), "server_error", None, "request_failed")
     if isinstance(e, EngineDeadError):
         return APIError(500, str(e), "server_error", None, "engine_dead")
     return APIError(500, f"internal error: {e!r}", "server_error")
@@ -378,7 +387,7 @@ def create_app(engine: Engine, api_key: str | None = None, model_name: str | Non
     async def run(coro):
         try:
             return await coro
-        except (QueueFullError, SamplingParamsError, EngineError, EngineDeadError) as e:
+        except (QueueFullError, SamplingParamsError, EngineError, EngineDeadError, RequestFailedError) as e:
             err = _from_exception(e)
             headers = {"Retry-After": "1"} if err.status == 503 else None
             return error_response(err.status, err.message, err.type, err.param, err.code, headers)

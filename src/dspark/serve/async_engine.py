@@ -32,6 +32,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped after an internal error; the server must be restarted."""
 
 
+class RequestFailedError(RuntimeError):
+    """Processing this request raised inside the engine; the engine finished it alone and keeps serving."""
+
+
 @dataclass(frozen=True)
 class _Add:
     prompt_ids: list[int]
@@ -91,7 +95,8 @@ class RequestStream:
 
 class AsyncEngine:
     """``await add(prompt_ids, params, request_id) -> RequestStream``; raises ``QueueFullError`` (503),
-    ``EngineError`` / ``SamplingParamsError`` (400) or ``EngineDeadError`` (500)."""
+    ``EngineError`` / ``SamplingParamsError`` (400) or ``EngineDeadError`` (500). A stream raises
+    ``RequestFailedError`` when the engine finished its request with an error (the others carry on)."""
 
     def __init__(self, engine: Engine, on_outputs: Callable[[Sequence[RequestOutput]], None] | None = None) -> None:
         self.engine = engine
@@ -144,10 +149,6 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
         self._commands.put(_Abort(request_id))
-
-    @property
-    def num_streams(self) -> int:
-        return len(self._streams)
 
     # ---- engine thread -----------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -218,7 +219,9 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            stream.queue.put_nowait(out)
+            failed = out.finished and out.finish_reason == "error"
+            item = RequestFailedError(f"request {out.request_id} failed: {out.error}") if failed else out
+            stream.queue.put_nowait(item)
             if out.finished:
                 self._streams.pop(out.request_id, None)
 

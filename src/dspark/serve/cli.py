@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from dspark.config import EngineConfig
+from dspark.config import DTYPES, ConfigError, EngineConfig
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -12,17 +12,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from dspark.cli import _default_spec, _model_or_demo
+    from dspark.cli_common import default_spec, model_or_demo
     from dspark.llm import build_engine
     from dspark.serve.app import create_app
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(name)s %(message)s")
-    model, demo = _model_or_demo(args.model)
-    spec = _default_spec(args, model if demo else None)
+    if args.model_positional is not None:
+        if args.model is not None and args.model_positional != args.model:
+            raise ConfigError(f"serve: MODEL {args.model_positional!r} and --model {args.model!r} differ; give one")
+        args.model = args.model_positional
+    model, demo = model_or_demo(args.model)
+    spec = default_spec(args, model if demo else None)
     engine = build_engine(
         model,
         spec,
         dtype=args.dtype,
+        attention_backend=args.attention_backend,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         num_pages=args.num_pages,
@@ -45,7 +50,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, "
         "GET /metrics (Prometheus, vLLM names), GET /version, POST /tokenize, POST /detokenize.",
     )
-    p.add_argument("--model", default=None, help="target model dir (default: the bundled k3-mini pair)")
+    p.add_argument(
+        "model_positional",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="target: a model dir, a .gguf file or a hub id org/name[@rev] in the local HF/ModelScope cache "
+        "(as `vllm serve MODEL`; default: the bundled k3-mini pair)",
+    )
+    p.add_argument("--model", default=None, help="the same as MODEL (kept for scripts)")
     p.add_argument("--speculative-config", default=None, help='vLLM-style JSON or @file, e.g. \'{"method": "dspark"}\'')
     p.add_argument("--no-spec", action="store_true", help="serve without speculative decoding")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
@@ -57,6 +70,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--num-pages", type=int, default=None, help="KV cache pages (default: sized for max-num-seqs)")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--dtype", default=d.dtype, choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default=d.dtype, choices=DTYPES)
+    p.add_argument(
+        "--attention-backend",
+        default=None,
+        help="target attention: torch | sdpa | a vLLM backend name (runs as sdpa here); default: each model's",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)

@@ -11,7 +11,7 @@ Exported families (every one labelled ``model_name``):
       dspark:spec_decode_verify_tokens_total, dspark:spec_decode_num_steps_total,
       dspark:spec_decode_mean_acceptance_length (gauge, 1 + accepted / drafts)
   vllm:prompt_tokens_total, vllm:generation_tokens_total, vllm:num_preemptions_total,
-  vllm:request_success_total{finished_reason="stop"|"length"|"abort"},
+  vllm:request_success_total{finished_reason="stop"|"length"|"abort"|"error"},
   vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc (fraction 0..1),
   vllm:time_to_first_token_seconds, vllm:e2e_request_latency_seconds,
   vllm:request_time_per_output_token_seconds, vllm:request_prompt_tokens, vllm:request_generation_tokens
@@ -72,7 +72,7 @@ class ServerMetrics:
             self._first_seen.discard(rid)
             reason = out.finish_reason or "stop"
             self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
-            if reason == "abort" or out.finish_time is None:
+            if reason in ("abort", "error") or out.finish_time is None:
                 continue
             self.e2e.observe(max(0.0, out.finish_time - out.arrival_time))
             self.prompt_len.observe(len(out.prompt_token_ids))

@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from dspark.models.drafter import DSparkDrafter, block_mask
-from dspark.models.mla import LatentStore
+from dspark.cache.latent import BatchStore
+from dspark.models.drafter import DSparkDrafter
 from dspark.profiling import scope
 from dspark.spec.rng import Stream, uniforms
 from dspark.spec.sampling import process_logits, sample_inverse_cdf
@@ -31,33 +32,55 @@ class SamplingTensors:
     counters: torch.Tensor  # [B, K+1] int64 round counters (see rng.round_counters)
 
 
+class BlockKeys:
+    """The keys of one drafter block pass (a LatentStore): each request's committed context rows read from the
+    pool, then the block's own rows, kept in memory: a draft block is never written to the cache."""
+
+    def __init__(self, context: BatchStore) -> None:
+        self.context = context
+
+    def update(self, layer: int, latent: torch.Tensor) -> torch.Tensor:
+        """latent [B, Kb, W] block rows → keys [B, S + Kb, W] (context slots first)."""
+        ctx = self.context.read(layer)
+        return torch.cat((ctx, latent.to(ctx.dtype)), 1)
+
+
+def block_keys_mask(anchor_positions: torch.Tensor, num_context: int, block_size: int) -> torch.Tensor:
+    """Visibility over BlockKeys: every block row sees the context < its anchor and the whole block
+    (non-causal). anchor_positions [B] → bool [B, Kb, S + Kb]."""
+    ctx = torch.arange(num_context)[None, :] < anchor_positions[:, None]  # [B, S]
+    keys = torch.cat((ctx, ctx.new_ones(ctx.shape[0], block_size)), 1)
+    return keys[:, None, :].expand(-1, block_size, -1)
+
+
 def draft_block(
     drafter: DSparkDrafter,
     anchors: torch.Tensor,
     anchor_positions: torch.Tensor,
-    num_keys: int,
-    store: LatentStore,
+    context: BatchStore,
     sampling: SamplingTensors,
     probabilistic: bool,
     use_markov: bool = True,
     topk: int | None = None,
 ) -> Proposal:
-    """One drafter pass over [anchor, mask × (K−1)] for every request, then the Markov loop batched across
-    requests. anchors/anchor_positions [B]; the store already holds each request's context < anchor."""
+    """One drafter pass over the trained block [anchor, mask × (Kb−1)] (Kb = the draft config's block_size) for
+    every request, then the Markov loop over its first K slots, batched across requests. The block is
+    non-causal, so it always has its trained width: K < Kb proposes the first K drafts of the full block.
+    anchors/anchor_positions [B]; context reads each request's drafter context rows (positions < anchor)."""
     K = sampling.counters.shape[1] - 1
     B = anchors.shape[0]
-    block = torch.full((B, K), drafter.config.mask_token_id, dtype=torch.long)
+    Kb = max(K, drafter.config.block_size or K)
+    block = torch.full((B, Kb), drafter.config.mask_token_id, dtype=torch.long)
     block[:, 0] = anchors
-    positions = anchor_positions[:, None] + torch.arange(K)
+    positions = anchor_positions[:, None] + torch.arange(Kb)
+    mask = block_keys_mask(anchor_positions, context.read_slots.shape[1], Kb)
     with scope("draft.backbone"):
-        out = drafter(block, positions, block_mask(anchor_positions, K, num_keys), store=store)
-    base = out.base_logits
-    assert base is not None
-    u = (
-        uniforms(sampling.seeds, sampling.counters[:, :K], Stream.DRAFT).float().clamp(1e-7, 1 - 1e-7)
-        if probabilistic
-        else None
-    )
+        out = drafter(block, positions, mask, store=BlockKeys(context), compute_logits=False)
+        hidden = out.hidden[:, :K]  # [B, K, D]
+        base = drafter.lm_head(hidden).float()  # [B, K, V]
+    u = None
+    if probabilistic:  # greedy drafting draws no uniforms
+        u = uniforms(sampling.seeds, sampling.counters[:, :K], Stream.DRAFT).float().clamp(1e-7, 1 - 1e-7)
     qs: list[torch.Tensor] = []
 
     def pick(corrected: torch.Tensor, k: int) -> torch.Tensor:
@@ -70,28 +93,30 @@ def draft_block(
     head = drafter.markov_head if use_markov else None
     with scope("draft.markov"):
         if head is not None:
-            tokens = head.sample(base, out.hidden, anchors, pick, topk).tokens
+            tokens = head.sample(base, hidden, anchors, pick, topk).tokens
         else:  # DFlash: base logits only
             tokens = torch.stack([pick(base[:, k], k) for k in range(K)], 1)
     with scope("draft.confidence"):
         prev_embeds = None
         if drafter.markov_head is not None:
             prev_embeds = drafter.markov_head.markov_w1(torch.cat((anchors[:, None], tokens[:, :-1]), 1))
-        confidence = drafter.confidence(out.hidden, prev_embeds)
+        confidence = drafter.confidence(hidden, prev_embeds)
     q = torch.stack(qs, 1) if probabilistic else None
     return Proposal(tokens, torch.full((B,), K, dtype=torch.long), q, confidence)
 
 
 def ngram_lookup(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """Prompt lookup: the K tokens that followed the latest earlier occurrence of the longest suffix n-gram."""
-    n_tok = len(tokens)
-    for n in range(min(max_n, n_tok - 1), min_n - 1, -1):
-        suffix = list(tokens[n_tok - n :])
-        for start in range(n_tok - n - 1, -1, -1):
-            if list(tokens[start : start + n]) == suffix:
-                follow = list(tokens[start + n : start + n + k])
-                if follow:
-                    return follow
+    """vLLM's prompt lookup over prompt + generated tokens: the longest suffix n-gram (min_n ≤ n ≤ max_n) that
+    also occurs earlier, taken at its earliest occurrence (the one with the longest continuation); up to k of the
+    tokens that followed it. Overlapping occurrences count; the suffix itself does not."""
+    seq = np.asarray(tokens, dtype=np.int64)
+    L = seq.shape[0]
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(seq[: L - 1], n)  # starts 0..L-1-n
+        hits = np.flatnonzero((windows == seq[L - n :]).all(1))
+        if hits.size:
+            start = int(hits[0]) + n
+            return seq[start : start + k].tolist()
     return []
 
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from dspark.config import DTYPES
 from dspark.engine.engine import Engine
 from dspark.sampling_params import SamplingParams
 from dspark.spec.schedule import calibrate, calibration_report, fit_sts, save_sts, survival
@@ -147,13 +148,13 @@ def format_report(report: list[dict]) -> str:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from dspark.cli import _default_spec, _model_or_demo
+    from dspark.cli_common import default_spec, model_or_demo
     from dspark.config import SpeculativeConfig
     from dspark.data import load_prompts
     from dspark.llm import build_engine
 
-    model, demo = _model_or_demo(args.model)
-    spec_text = _default_spec(args, model if demo else None) or json.dumps({"method": "dspark"})
+    model, demo = model_or_demo(args.model)
+    spec_text = default_spec(args, model if demo else None) or json.dumps({"method": "dspark"})
     spec = SpeculativeConfig.parse(spec_text)
     assert spec is not None
     spec = replace(spec, enable_adaptive_verification=False)  # the full block is verified
@@ -210,5 +211,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bins", type=int, default=20, help="ECE bins (default 20)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=16, help="decode batch size")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     p.set_defaults(func=cmd_calibrate, no_spec=False)

@@ -19,7 +19,8 @@ import sys
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 
-from dspark.cli import float_list, int_list
+from dspark.cli_common import float_list, int_list
+from dspark.config import DTYPES
 
 # ---- draft-data ------------------------------------------------------------------------------------------
 
@@ -47,7 +48,7 @@ def add_draft_data(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperatures", type=float_list, default=None, help="round-robin per prompt, 0 = greedy (1,0.7,0)")
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None, help="engine batch (32)")
-    p.add_argument("--dtype", default=None, help="engine dtype (bfloat16)")
+    p.add_argument("--dtype", default=None, choices=DTYPES, help="engine dtype (default bfloat16)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--max-minutes", type=float, default=None, help="stop early, keeping what was generated")
     p.add_argument("--quiet", action="store_true")

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -43,9 +43,8 @@ from tqdm import tqdm
 from dspark.config import RopeConfig, TargetConfig
 from dspark.models.loading import save_target
 from dspark.models.target import MLATarget, MoEGate
+from dspark.train.loop import TrainLoop, atomic_torch_save, checkpoint_path, warmup_cosine
 
-CHECKPOINT_DIR = "checkpoint"
-CHECKPOINT_FILE = "last.pt"
 EXPORT_DIR = "export"
 TRAINING_LOG = "training_log.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -140,6 +139,11 @@ class PretrainConfig:
             raise ValueError(f"PretrainConfig.min_lr_ratio = {self.min_lr_ratio}: must be in [0, 1]")
         if self.lr <= 0 or self.grad_clip <= 0:
             raise ValueError(f"PretrainConfig: lr ({self.lr}) and grad_clip ({self.grad_clip}) must be positive")
+
+    @property
+    def time_mode(self) -> bool:
+        """The cosine horizon is derived from max_minutes and the measured step time."""
+        return self.max_steps is None
 
     @property
     def original_context(self) -> int:
@@ -399,14 +403,7 @@ def build_optimizer(model: nn.Module, cfg: PretrainConfig) -> torch.optim.AdamW:
 
 def lr_at(step: int, cfg: PretrainConfig, max_steps: int | None) -> float:
     """Learning rate for optimizer step ``step`` (0-based): linear warmup, then cosine to lr·min_lr_ratio."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    if max_steps is None:  # horizon not yet known (only possible inside the warmup)
-        return cfg.lr
-    span = max(1, max_steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    floor = cfg.lr * cfg.min_lr_ratio
-    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return warmup_cosine(step, cfg.lr, cfg.warmup_steps, max_steps, cfg.min_lr_ratio)
 
 
 class RouterLoad:
@@ -466,29 +463,6 @@ def count_params(model: nn.Module) -> tuple[int, int]:
 # --------------------------------------------------------------------------------------------------------
 # checkpoints
 # --------------------------------------------------------------------------------------------------------
-
-
-def checkpoint_path(out_dir: str | Path) -> Path:
-    return Path(out_dir) / CHECKPOINT_DIR / CHECKPOINT_FILE
-
-
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    """torch.save to a temp file in the same directory, fsync, then rename: never a half-written checkpoint."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass
@@ -603,17 +577,6 @@ def train_step(model: MLATarget, batch: torch.Tensor, cfg: PretrainConfig) -> tu
     return loss.detach(), grad_norm
 
 
-def _derive_max_steps(
-    cfg: PretrainConfig, step: int, elapsed_s: float, step_s: float, eval_s: float, ckpt_s: float
-) -> int:
-    """Steps that fit the remaining budget: eval/checkpoint time amortised, the final eval + checkpoint +
-    export reserved, and a 3% margin."""
-    assert cfg.max_minutes is not None
-    remaining = cfg.max_minutes * 60.0 - elapsed_s - (eval_s + 2 * ckpt_s)
-    per_step = step_s + eval_s / cfg.eval_interval + ckpt_s / cfg.ckpt_interval
-    return max(cfg.warmup_steps + 1, step + 1, step + int(0.97 * max(0.0, remaining) / per_step))
-
-
 def _write_training_log(path: Path, cfg: PretrainConfig, model: MLATarget, state: _RunState, extra: dict) -> None:
     total, active = count_params(model)
     log = {
@@ -654,186 +617,200 @@ def train_target(cfg: PretrainConfig, resume: bool = False) -> TrainResult:
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.num_threads or max(1, min(2, os.cpu_count() or 1)))
     try:
-        return _train(cfg, resume)
+        trainer = TargetTrainer(cfg, resume)
+        stopped_by = trainer.run()
+        return trainer.result(stopped_by)
     finally:
         torch.set_num_threads(threads)
 
 
-def _train(cfg: PretrainConfig, resume: bool) -> TrainResult:
-    data_dir, out_dir = Path(cfg.data_dir), Path(cfg.out_dir)
-    ckpt = checkpoint_path(out_dir)
-    if not resume and ckpt.exists():
-        raise FileExistsError(f"{ckpt} exists; pass --resume to continue it, or choose a new --out-dir")
-    cfg = replace(cfg, vocab_size=resolve_vocab_size(cfg))
-    assert cfg.vocab_size is not None
-    train_tokens = _load_split(data_dir, "train")
-    val = validation_windows(_load_split(data_dir, "validation"), cfg.seq_len, cfg.eval_max_windows)
-    if int(train_tokens.max()) >= cfg.vocab_size:
-        raise ValueError(f"{data_dir}/train.npy has token id {int(train_tokens.max())} >= vocab_size={cfg.vocab_size}")
+class _StepOut(NamedTuple):
+    loss: float
+    grad_norm: float
+    lr: float
+    imbalance: float
 
-    torch.manual_seed(cfg.seed)
-    model = MLATarget(cfg.target_config(cfg.vocab_size))
-    init_weights(model, cfg.init_std, torch.Generator().manual_seed(cfg.seed))
-    model.train()
-    opt = build_optimizer(model, cfg)
-    loader = TokenWindows(train_tokens, cfg.seq_len, cfg.batch_size, cfg.seed)
-    state = _RunState(max_steps=cfg.max_steps)
-    if resume:
+
+class TargetTrainer(TrainLoop[_StepOut]):
+    """Pretraining on the shared loop: random windows, AdamW, the router-bias nudge, validation perplexity."""
+
+    eval_at_start = True
+
+    def __init__(self, cfg: PretrainConfig, resume: bool) -> None:
+        ckpt = checkpoint_path(cfg.out_dir)
+        if not resume and ckpt.exists():
+            raise FileExistsError(f"{ckpt} exists; pass --resume to continue it, or choose a new --out-dir")
+        data_dir = Path(cfg.data_dir)
+        self.cfg = cfg = replace(cfg, vocab_size=resolve_vocab_size(cfg))
+        assert cfg.vocab_size is not None
+        train_tokens = _load_split(data_dir, "train")
+        self.val = validation_windows(_load_split(data_dir, "validation"), cfg.seq_len, cfg.eval_max_windows)
+        if int(train_tokens.max()) >= cfg.vocab_size:
+            raise ValueError(
+                f"{data_dir}/train.npy has token id {int(train_tokens.max())} >= vocab_size={cfg.vocab_size}"
+            )
+        torch.manual_seed(cfg.seed)
+        self.model = MLATarget(cfg.target_config(cfg.vocab_size))
+        init_weights(self.model, cfg.init_std, torch.Generator().manual_seed(cfg.seed))
+        self.model.train()
+        self.opt = build_optimizer(self.model, cfg)
+        self.loader = TokenWindows(train_tokens, cfg.seq_len, cfg.batch_size, cfg.seed)
+        self.state = _RunState(max_steps=cfg.max_steps)
+        if resume:
+            self._resume(ckpt)
+        self.router = RouterLoad(self.model)
+        self.tokens_per_step = cfg.batch_size * cfg.seq_len
+        self.losses: list[float] = []
+        self.window: list[float] = []
+        self.total_params, self.active_params = count_params(self.model)
+        self.say(
+            f"train-target: {self.total_params / 1e6:.2f}M params ({self.active_params / 1e6:.2f}M active), "
+            f"{cfg.num_hidden_layers} layers, d={cfg.hidden_size}, {len(train_tokens):,} train tokens, "
+            f"{'resuming at step ' + str(self.step) if resume else 'fresh start'}"
+        )
+
+    def _resume(self, ckpt: Path) -> None:
         blob = load_checkpoint(ckpt)
-        _check_resume_shape(blob["pretrain_config"], cfg, ckpt)
-        model.load_state_dict(blob["model"])
-        opt.load_state_dict(blob["optimizer"])
-        loader.load_state_dict(blob["loader"])
+        _check_resume_shape(blob["pretrain_config"], self.cfg, ckpt)
+        self.model.load_state_dict(blob["model"])
+        self.opt.load_state_dict(blob["optimizer"])
+        self.loader.load_state_dict(blob["loader"])
         torch.set_rng_state(blob["torch_rng"])
         run = blob["run"]
-        state = _RunState(
+        self.state = _RunState(
             step=run["step"],
             tokens=run["tokens"],
             elapsed_s=run["elapsed_s"],
             train_s=run["train_s"],
-            max_steps=run["max_steps"] if cfg.max_steps is None else cfg.max_steps,
+            max_steps=run["max_steps"] if self.cfg.max_steps is None else self.cfg.max_steps,
             train_loss=[tuple(x) for x in run["train_loss"]],
             val=list(run["val"]),
             router_imbalance=[tuple(x) for x in run["router_imbalance"]],
             horizons=[tuple(x) for x in run.get("horizons", [])],
         )
-    router = RouterLoad(model)
-    total_params, active_params = count_params(model)
-    tokens_per_step = cfg.batch_size * cfg.seq_len
 
-    def say(msg: str) -> None:
-        if cfg.progress:
-            tqdm.write(msg, file=sys.stderr)
+    # step, horizon and wall clock live in the checkpointed run state
+    @property
+    def step(self) -> int:
+        return self.state.step
 
-    say(
-        f"train-target: {total_params / 1e6:.2f}M params ({active_params / 1e6:.2f}M active), "
-        f"{cfg.num_hidden_layers} layers, d={cfg.hidden_size}, {len(train_tokens):,} train tokens, "
-        f"{'resuming at step ' + str(state.step) if resume else 'fresh start'}"
-    )
-    session_start = time.perf_counter()
-    elapsed_before = state.elapsed_s
+    @property
+    def max_steps(self) -> int | None:
+        return self.state.max_steps
 
-    def elapsed() -> float:
-        return elapsed_before + time.perf_counter() - session_start
+    @max_steps.setter
+    def max_steps(self, value: int | None) -> None:
+        self.state.max_steps = value
 
-    def run_eval() -> float:
-        t0 = time.perf_counter()
-        loss = evaluate(model, val, cfg)
-        state.val.append({"step": state.step, "loss": round(loss, 5), "ppl": round(math.exp(loss), 3)})
-        dt = time.perf_counter() - t0
-        say(f"step {state.step}: val loss {loss:.4f} ppl {math.exp(loss):.2f} ({dt:.1f}s)")
-        return dt
+    @property
+    def elapsed_s(self) -> float:
+        return self.state.elapsed_s
 
-    eval_s = run_eval() if state.step == 0 else 0.0
-    interactive = sys.stderr.isatty()
-    bar = tqdm(
-        total=state.max_steps,
-        initial=state.step,
-        disable=not cfg.progress,
-        mininterval=1.0 if interactive else 30.0,
-        dynamic_ncols=True,
-        unit="step",
-        file=sys.stderr,
-    )
-    losses: list[float] = []
-    window: list[float] = []
-    step_times: list[float] = []
-    ckpt_s = 0.0
-    stopped_by = "max_steps"
-    session_train_s, session_tokens = 0.0, 0
-    while True:
-        if state.max_steps is not None and state.step >= state.max_steps:
-            break
-        if cfg.max_minutes is not None and elapsed() >= cfg.max_minutes * 60.0:
-            stopped_by = "time_budget"
-            break
-        if cfg.halt_at_step is not None and state.step >= cfg.halt_at_step:
-            stopped_by = "halt"
-            break
-        t0 = time.perf_counter()
-        lr = lr_at(state.step, cfg, state.max_steps)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        batch = loader.next_batch()
-        with router.recording():
-            loss, grad_norm = train_step(model, batch, cfg)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        imbalance = router.nudge(cfg.router_bias_update)
-        state.step += 1
-        state.tokens += tokens_per_step
-        dt = time.perf_counter() - t0
-        state.train_s += dt
-        session_train_s += dt
-        session_tokens += tokens_per_step
-        loss_f = float(loss)
-        losses.append(loss_f)
-        window.append(loss_f)
-        if state.step % cfg.log_interval == 0:
-            state.train_loss.append((state.step, float(np.mean(window))))
-            state.router_imbalance.append((state.step, imbalance))
-            window = []
-        # time-derived cosine horizon: first inside the warmup (nothing run so far depends on it), then
-        # re-estimated from the recent speed; it is saved with the checkpoint, so a resume follows it
-        step_times.append(dt)
-        first = state.max_steps is None and (len(step_times) >= cfg.probe_steps or state.step >= cfg.warmup_steps)
-        later = state.max_steps is not None and state.step % cfg.horizon_interval == 0
-        if cfg.max_steps is None and (first or (later and len(step_times) >= cfg.probe_steps)):
-            recent = step_times[-cfg.horizon_interval :]
-            step_s = float(np.median(recent[1:] if first else recent))
-            old = state.max_steps
-            state.max_steps = _derive_max_steps(cfg, state.step, elapsed(), step_s, eval_s, ckpt_s)
-            state.horizons.append((state.step, state.max_steps))
-            bar.total = state.max_steps
-            if old is None or abs(state.max_steps - old) > 0.02 * old:
-                say(f"step {state.step}: {step_s:.3f} s/step -> cosine horizon max_steps={state.max_steps}")
-        bar.update(1)
-        bar.set_postfix(
-            loss=f"{loss_f:.3f}",
-            lr=f"{lr:.2e}",
-            gn=f"{float(grad_norm):.2f}",
-            tok_s=f"{session_tokens / session_train_s:.0f}",
-            refresh=False,
+    @elapsed_s.setter
+    def elapsed_s(self, value: float) -> None:
+        self.state.elapsed_s = value
+
+    def warmup_steps(self) -> int:
+        return self.cfg.warmup_steps
+
+    # ---- the loop's hooks ----------------------------------------------------------------------------------------
+    def run(self) -> str:
+        interactive = sys.stderr.isatty()
+        self.bar = tqdm(
+            total=self.max_steps,
+            initial=self.step,
+            disable=not self.cfg.progress,
+            mininterval=1.0 if interactive else 30.0,
+            dynamic_ncols=True,
+            unit="step",
+            file=sys.stderr,
         )
-        if state.step % cfg.eval_interval == 0:
-            eval_s = run_eval()
-        if state.step % cfg.ckpt_interval == 0:
-            t_ckpt = time.perf_counter()
-            state.elapsed_s = elapsed()
-            save_checkpoint(ckpt, cfg, model, opt, loader, state)
-            ckpt_s = time.perf_counter() - t_ckpt
-    bar.close()
-    if window:
-        state.train_loss.append((state.step, float(np.mean(window))))
-    if stopped_by != "halt" and (not state.val or state.val[-1]["step"] != state.step):
-        run_eval()
-    state.elapsed_s = elapsed()
-    save_checkpoint(ckpt, cfg, model, opt, loader, state)
-    export_dir = None
-    if stopped_by != "halt":
-        export_dir = str(export_model(model, cfg, state, {"stopped_by": stopped_by}))
-    last_val = state.val[-1] if state.val else None
-    tok_s = session_tokens / session_train_s if session_train_s else 0.0
-    say(
-        f"train-target: stopped by {stopped_by} at step {state.step}/{state.max_steps}, "
-        f"{state.tokens:,} tokens, "
-        f"{state.elapsed_s / 60:.1f} min, {tok_s:.0f} tok/s"
-        + (f", val ppl {last_val['ppl']:.2f}" if last_val else "")
-        + (f"; exported to {export_dir}" if export_dir else "")
-    )
-    return TrainResult(
-        steps=state.step,
-        tokens=state.tokens,
-        wall_clock_s=state.elapsed_s,
-        tokens_per_s=tok_s,
-        final_train_loss=losses[-1] if losses else float("nan"),
-        val_loss=last_val["loss"] if last_val else None,
-        val_ppl=last_val["ppl"] if last_val else None,
-        stopped_by=stopped_by,
-        max_steps=state.max_steps or state.step,
-        num_params=total_params,
-        active_params=active_params,
-        checkpoint=str(ckpt),
-        export_dir=export_dir,
-        losses=tuple(losses),
-    )
+        try:
+            return super().run()
+        finally:
+            self.bar.close()
+
+    def run_step(self) -> _StepOut:
+        lr = lr_at(self.step, self.cfg, self.max_steps)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        batch = self.loader.next_batch()
+        with self.router.recording():
+            loss, grad_norm = train_step(self.model, batch, self.cfg)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        imbalance = self.router.nudge(self.cfg.router_bias_update)
+        self.state.step += 1
+        self.state.tokens += self.tokens_per_step
+        return _StepOut(float(loss), float(grad_norm), lr, imbalance)
+
+    def record(self, out: _StepOut, dt: float) -> None:
+        self.state.train_s += dt
+        self.losses.append(out.loss)
+        self.window.append(out.loss)
+        if self.step % self.cfg.log_interval == 0:
+            self.state.train_loss.append((self.step, float(np.mean(self.window))))
+            self.state.router_imbalance.append((self.step, out.imbalance))
+            self.window = []
+        self.bar.update(1)
+        tok_s = self.session_steps * self.tokens_per_step / self.session_train_s
+        postfix = {
+            "loss": f"{out.loss:.3f}",
+            "lr": f"{out.lr:.2e}",
+            "gn": f"{out.grad_norm:.2f}",
+            "tok_s": f"{tok_s:.0f}",
+        }
+        self.bar.set_postfix(postfix, refresh=False)
+
+    def on_horizon(self, step_s: float, old: int | None) -> None:
+        assert self.max_steps is not None
+        self.state.horizons.append((self.step, self.max_steps))
+        self.bar.total = self.max_steps
+        super().on_horizon(step_s, old)
+
+    def run_evaluation(self) -> None:
+        t0 = time.perf_counter()
+        loss = evaluate(self.model, self.val, self.cfg)
+        self.state.val.append({"step": self.step, "loss": round(loss, 5), "ppl": round(math.exp(loss), 3)})
+        dt = time.perf_counter() - t0
+        self.say(f"step {self.step}: val loss {loss:.4f} ppl {math.exp(loss):.2f} ({dt:.1f}s)")
+
+    def last_eval_step(self) -> int | None:
+        return self.state.val[-1]["step"] if self.state.val else None
+
+    def finish_logs(self) -> None:
+        if self.window:
+            self.state.train_loss.append((self.step, float(np.mean(self.window))))
+
+    def save(self) -> None:
+        save_checkpoint(self.checkpoint, self.cfg, self.model, self.opt, self.loader, self.state)
+
+    def export(self, stopped_by: str) -> Path:
+        return export_model(self.model, self.cfg, self.state, {"stopped_by": stopped_by})
+
+    # ---- the outcome ---------------------------------------------------------------------------------------------
+    def result(self, stopped_by: str) -> TrainResult:
+        state, last_val = self.state, self.state.val[-1] if self.state.val else None
+        tok_s = self.session_steps * self.tokens_per_step / self.session_train_s if self.session_train_s else 0.0
+        self.say(
+            f"train-target: stopped by {stopped_by} at step {state.step}/{state.max_steps}, {state.tokens:,} tokens, "
+            f"{state.elapsed_s / 60:.1f} min, {tok_s:.0f} tok/s"
+            + (f", val ppl {last_val['ppl']:.2f}" if last_val else "")
+            + (f"; exported to {self.export_dir}" if self.export_dir else "")
+        )
+        return TrainResult(
+            steps=state.step,
+            tokens=state.tokens,
+            wall_clock_s=state.elapsed_s,
+            tokens_per_s=tok_s,
+            final_train_loss=self.losses[-1] if self.losses else float("nan"),
+            val_loss=last_val["loss"] if last_val else None,
+            val_ppl=last_val["ppl"] if last_val else None,
+            stopped_by=stopped_by,
+            max_steps=state.max_steps or state.step,
+            num_params=self.total_params,
+            active_params=self.active_params,
+            checkpoint=str(self.checkpoint),
+            export_dir=str(self.export_dir) if self.export_dir else None,
+            losses=tuple(self.losses),
+        )

@@ -26,8 +26,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, fields
@@ -44,8 +42,8 @@ from dspark.config import DraftConfig, TargetConfig
 from dspark.models.drafter import DSparkDrafter
 from dspark.train.anchors import block_inputs, block_positions, block_targets, block_visibility, sample_anchors
 from dspark.train.features import FeatureCache, Features, target_features, target_logits_at
+from dspark.train.loop import TrainLoop, atomic_torch_save, checkpoint_path, warmup_cosine
 from dspark.train.loss import DSparkLoss, LossWeights, dspark_loss, position_weights
-from dspark.train.pretrain import atomic_torch_save, checkpoint_path
 from dspark.train.regenerate import TRAIN_FILE, VALIDATION_FILE, DraftDataset
 
 EXPORT_DIR = "export"
@@ -165,7 +163,8 @@ class DraftTrainConfig:
     max_steps: int | None = None
     epochs: float | None = None  # sets max_steps from the dataset size when max_steps is None
     max_minutes: float | None = None  # wall-clock stop (checkpoint + export) across resumes
-    probe_steps: int = 8  # time mode (only max_minutes given): steps timed before the horizon is fixed
+    probe_steps: int = 8  # time mode (only max_minutes given): steps timed before the horizon is first derived
+    horizon_interval: int = 50  # time mode: re-derive the horizon every N steps (median of the last N)
     autocast_bf16: bool = True
     absorbed: bool = True  # absorbed MLA (latent-space attention) for the drafter and online target features
     loss_chunk_elements: int = 1 << 28  # logits per loss chunk (larger: more memory, no recompute in backward)
@@ -184,12 +183,15 @@ class DraftTrainConfig:
     def __post_init__(self) -> None:
         if self.features not in ("online", "offline"):
             raise ValueError(f"DraftTrainConfig.features = {self.features!r}: use 'online' or 'offline'")
-        for name in ("batch_size", "num_anchors", "block_size", "eval_interval", "ckpt_interval", "log_interval"):
+        positive = ("batch_size", "num_anchors", "block_size", "eval_interval", "ckpt_interval", "log_interval")
+        for name in positive + ("horizon_interval",):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"DraftTrainConfig.{name} = {v!r}: must be a positive integer")
         if self.max_steps is None and self.epochs is None and self.max_minutes is None:
             raise ValueError("DraftTrainConfig: set max_steps, epochs or max_minutes")
+        if self.lr <= 0 or self.grad_clip <= 0:
+            raise ValueError(f"DraftTrainConfig: lr ({self.lr}) and grad_clip ({self.grad_clip}) must be positive")
         if self.time_mode and not 2 <= self.probe_steps < self.warmup_for(None):
             raise ValueError(
                 f"DraftTrainConfig.probe_steps = {self.probe_steps}: must be in [2, warmup steps = "
@@ -207,8 +209,6 @@ class DraftTrainConfig:
         if self.time_mode or max_steps is None:
             return TIME_MODE_WARMUP
         return max(1, round(self.warmup_ratio * max_steps))
-        if self.lr <= 0 or self.grad_clip <= 0:
-            raise ValueError(f"DraftTrainConfig: lr ({self.lr}) and grad_clip ({self.grad_clip}) must be positive")
 
     @property
     def loss_weights(self) -> LossWeights:
@@ -509,18 +509,19 @@ def _autocast(enabled: bool):
 def lr_at(step: int, cfg: DraftTrainConfig, max_steps: int | None) -> float:
     """Linear warmup then cosine decay to lr·min_lr_ratio (0-based optimizer step). max_steps is None only
     while a timed run is still probing its speed (inside the warmup)."""
-    warmup = cfg.warmup_for(max_steps)
-    if step < warmup:
-        return cfg.lr * (step + 1) / warmup
-    if max_steps is None:
-        return cfg.lr
-    progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
-    floor = cfg.lr * cfg.min_lr_ratio
-    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return warmup_cosine(step, cfg.lr, cfg.warmup_for(max_steps), max_steps, cfg.min_lr_ratio)
 
 
-class DraftTrainer:
-    """Holds the frozen target, the drafter, its DDP wrapper, the optimizer and the data of one run."""
+@dataclass
+class RunLog:
+    elapsed_s: float = 0.0
+    train: list[dict[str, Any]] = field(default_factory=list)
+    eval: list[dict[str, Any]] = field(default_factory=list)
+
+
+class DraftTrainer(TrainLoop[tuple["MetricSums", float]]):
+    """Holds the frozen target, the drafter, its DDP wrapper, the optimizer and the data of one run; ``run()``
+    (the shared loop, ``dspark.train.loop``) trains it with checkpoints, evaluation and export."""
 
     def __init__(
         self,
@@ -564,6 +565,11 @@ class DraftTrainer:
             assert cfg.epochs is not None
             self.max_steps = max(1, math.ceil(cfg.epochs * len(train_data) / cfg.batch_size))
         self.step = 0
+        self.master = self.dist.rank == 0
+        self.log = RunLog()
+        self.window = MetricSums(self.K)
+        self.last_train: dict[str, Any] | None = None
+        self.last_eval: dict[str, Any] | None = None
         self.caches: dict[str, FeatureCache] = {}
         if cfg.features == "offline":
             taps = self.draft_cfg.target_layer_ids
@@ -686,6 +692,90 @@ class DraftTrainer:
         sums.values = self.dist.all_sum(sums.values)
         return sums.summary(self.weights)
 
+    # ---- the shared loop's hooks ---------------------------------------------------------------------
+    @property
+    def elapsed_s(self) -> float:
+        return self.log.elapsed_s
+
+    @elapsed_s.setter
+    def elapsed_s(self, value: float) -> None:
+        self.log.elapsed_s = value
+
+    def warmup_steps(self) -> int:
+        return self.cfg.warmup_for(self.max_steps)
+
+    def run_step(self) -> tuple[MetricSums, float]:
+        return self.train_step()
+
+    def record(self, out: tuple[MetricSums, float], dt: float) -> None:
+        sums, grad_norm = out
+        self.window.values += sums.values
+        step = self.step
+        if step % self.cfg.log_interval != 0 and step != self.max_steps:
+            return
+        self.window.values = self.dist.all_sum(self.window.values)
+        lr = lr_at(step - 1, self.cfg, self.max_steps)
+        row = {"step": step, "lr": lr, "grad_norm": round(grad_norm, 4)} | self.window.summary(self.weights)
+        self.log.train.append(row)
+        self.last_train = row
+        self.window = MetricSums(self.K)
+        self.say(
+            f"step {step}/{self.max_steps}: loss {row['loss']:.4f} ce {row['ce']:.3f} l1 {row['l1']:.3f} "
+            f"conf {row['confidence']:.3f} tau {row['tau_probabilistic']:.3f} acc@1 {row['accept_rate'][0]:.3f} "
+            f"gn {grad_norm:.2f} ({self.session_train_s / self.session_steps:.2f}s/step)"
+        )
+
+    def run_evaluation(self) -> None:
+        ev = self.evaluate()
+        if ev is not None:
+            self.log.eval.append({"step": self.step} | ev)
+            self.last_eval = ev
+            self.say(f"step {self.step}: eval tau {ev['tau_probabilistic']:.3f} accept_rate {ev['accept_rate']}")
+
+    def last_eval_step(self) -> int | None:
+        return self.log.eval[-1]["step"] if self.log.eval else None
+
+    def any_rank(self, flag: bool) -> bool:
+        return bool(self.dist.all_sum(torch.tensor([float(flag)]))[0] > 0)
+
+    def agree(self, value: int) -> int:
+        if not self.dist.enabled:
+            return value
+        t = torch.tensor([float(value)])
+        dist.broadcast(t, src=0)
+        return int(t[0])
+
+    def barrier(self) -> None:
+        if self.dist.enabled:
+            dist.barrier()
+
+    def save(self) -> None:
+        save_checkpoint(self.checkpoint, self, self.log)
+
+    def export(self, stopped_by: str) -> Path:
+        from dspark.models.loading import save_drafter
+
+        export = Path(self.cfg.out_dir) / EXPORT_DIR
+        save_drafter(self.drafter, export, dtype=self.cfg.export_dtype)
+        log = {
+            "steps": self.step,
+            "max_steps": self.max_steps,
+            "stopped_by": stopped_by,
+            "wall_clock_s": round(self.log.elapsed_s, 1),
+            "num_trainable_params": self.num_trainable_params,
+            "final_eval": self.last_eval,
+            "train": self.log.train,
+            "eval": self.log.eval,
+            "train_config": self.cfg.to_dict(),
+        }
+        (export / TRAINING_LOG).write_text(json.dumps(log, indent=2) + "\n")
+        self.say(f"train-draft: exported {'DFlash' if self.cfg.dflash else 'DSpark'} drafter to {export}")
+        return export
+
+    @property
+    def num_trainable_params(self) -> int:
+        return sum(p.numel() for p in self.drafter.parameters() if p.requires_grad)
+
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -705,13 +795,6 @@ class DraftTrainer:
 # --------------------------------------------------------------------------------------------------------
 # checkpoints and the run loop
 # --------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class RunLog:
-    elapsed_s: float = 0.0
-    train: list[dict[str, Any]] = field(default_factory=list)
-    eval: list[dict[str, Any]] = field(default_factory=list)
 
 
 def save_checkpoint(path: Path, trainer: DraftTrainer, log: RunLog) -> None:
@@ -794,27 +877,10 @@ def train_draft(
         return _run(cfg, resume, target, train_data, val_data, dist_info)
 
 
-def _derive_max_steps(
-    cfg: DraftTrainConfig, trainer: DraftTrainer, step_times: list[float], elapsed_s: float, dist_info: Dist
-) -> int:
-    """Steps that fit the remaining time (10% margin for evaluations and checkpoints); the same on every rank."""
-    assert cfg.max_minutes is not None
-    per_step = float(np.median(step_times[1:] or step_times))
-    remaining = cfg.max_minutes * 60.0 - elapsed_s
-    steps = trainer.step + int(0.9 * remaining / per_step)
-    steps = max(cfg.warmup_for(None) + 1, steps)
-    if dist_info.enabled:  # rank 0 decides
-        t = torch.tensor([float(steps)])
-        dist.broadcast(t, src=0)
-        steps = int(t[0])
-    return steps
-
-
 def _run(cfg, resume, target, train_data, val_data, dist_info: Dist) -> DraftTrainResult:
-    from dspark.models.loading import load_target, save_drafter
+    from dspark.models.loading import load_target
 
-    out_dir = Path(cfg.out_dir)
-    ckpt = checkpoint_path(out_dir)
+    ckpt = checkpoint_path(cfg.out_dir)
     if not resume and ckpt.exists():
         raise FileExistsError(f"{ckpt} exists; pass --resume to continue it, or choose a new --out-dir")
     if target is None:
@@ -822,121 +888,29 @@ def _run(cfg, resume, target, train_data, val_data, dist_info: Dist) -> DraftTra
     if train_data is None:
         train_data, val_data = load_datasets(cfg.data_dir)
     trainer = DraftTrainer(cfg, target, train_data, val_data, dist_info)
-    log = RunLog()
     if resume:
         blob = load_checkpoint(ckpt, cfg)
         trainer.load_state_dict(blob["trainer"])
-        log = RunLog(**blob["run"])
-    master = dist_info.rank == 0
-    n_params = sum(p.numel() for p in trainer.drafter.parameters() if p.requires_grad)
-
-    def say(msg: str) -> None:
-        if cfg.progress and master:
-            print(msg, file=sys.stderr, flush=True)
-
-    kind = "DFlash" if cfg.dflash else "DSpark"
-    say(
-        f"train-draft: {kind} drafter, {n_params / 1e6:.2f}M trainable params, "
-        f"{trainer.draft_cfg.num_hidden_layers} layers, taps {list(trainer.draft_cfg.target_layer_ids)}, "
-        f"{len(train_data)} train samples, {cfg.features} features, world {dist_info.world_size}, "
-        f"batch {cfg.batch_size} = {dist_info.world_size}×{trainer.micro}×{trainer.accum}, "
+        trainer.log = RunLog(**blob["run"])
+    world, dcfg = dist_info.world_size, trainer.draft_cfg
+    trainer.say(
+        f"train-draft: {'DFlash' if cfg.dflash else 'DSpark'} drafter, {trainer.num_trainable_params / 1e6:.2f}M "
+        f"trainable params, {dcfg.num_hidden_layers} layers, taps {list(dcfg.target_layer_ids)}, "
+        f"{len(train_data)} train samples, {cfg.features} features, world {world}, "
+        f"batch {cfg.batch_size} = {world}×{trainer.micro}×{trainer.accum}, "
         f"{'resuming at step ' + str(trainer.step) if resume else 'fresh start'} of {trainer.max_steps}"
     )
-    t_start = time.perf_counter()
-    elapsed_before = log.elapsed_s
-
-    def elapsed() -> float:
-        return elapsed_before + time.perf_counter() - t_start
-
-    window = MetricSums(trainer.K)
-    last_train: dict[str, Any] | None = None
-    stopped_by = "max_steps"
-    session_steps = 0
-    session_train_s = 0.0
-    step_times: list[float] = []
-    while trainer.max_steps is None or trainer.step < trainer.max_steps:
-        out_of_time = cfg.max_minutes is not None and elapsed() >= cfg.max_minutes * 60.0
-        if dist_info.all_sum(torch.tensor([float(out_of_time)]))[0] > 0:  # every rank stops at the same step
-            stopped_by = "time_budget"
-            break
-        if cfg.halt_at_step is not None and trainer.step >= cfg.halt_at_step:
-            stopped_by = "halt"
-            break
-        t0 = time.perf_counter()
-        sums, grad_norm = trainer.train_step()
-        dt = time.perf_counter() - t0
-        session_train_s += dt
-        session_steps += 1
-        step_times.append(dt)
-        if trainer.max_steps is None and len(step_times) >= cfg.probe_steps:
-            trainer.max_steps = _derive_max_steps(cfg, trainer, step_times, elapsed(), dist_info)
-            say(f"step {trainer.step}: {np.median(step_times[1:]):.3f} s/step -> max_steps={trainer.max_steps}")
-        window.values += sums.values
-        step = trainer.step
-        if step % cfg.log_interval == 0 or step == trainer.max_steps:
-            window.values = dist_info.all_sum(window.values)
-            last_train = {"step": step, "lr": lr_at(step - 1, cfg, trainer.max_steps), "grad_norm": round(grad_norm, 4)}
-            last_train |= window.summary(trainer.weights)
-            log.train.append(last_train)
-            window = MetricSums(trainer.K)
-            say(
-                f"step {step}/{trainer.max_steps}: loss {last_train['loss']:.4f} ce {last_train['ce']:.3f} "
-                f"l1 {last_train['l1']:.3f} conf {last_train['confidence']:.3f} "
-                f"tau {last_train['tau_probabilistic']:.3f} acc@1 {last_train['accept_rate'][0]:.3f} "
-                f"gn {grad_norm:.2f} ({session_train_s / session_steps:.2f}s/step)"
-            )
-        if step % cfg.eval_interval == 0 and (trainer.max_steps is None or step < trainer.max_steps):
-            ev = trainer.evaluate()
-            if ev is not None:
-                log.eval.append({"step": step} | ev)
-                say(f"step {step}: eval tau {ev['tau_probabilistic']:.3f} accept_rate {ev['accept_rate']}")
-        if step % cfg.ckpt_interval == 0 and master:
-            log.elapsed_s = elapsed()
-            save_checkpoint(ckpt, trainer, log)
-    final_eval = None
-    if stopped_by != "halt":
-        final_eval = trainer.evaluate()
-        if final_eval is not None:
-            log.eval.append({"step": trainer.step} | final_eval)
-            say(f"final eval (step {trainer.step}): {json.dumps(final_eval)}")
-    log.elapsed_s = elapsed()
-    export_dir = None
-    if master:
-        save_checkpoint(ckpt, trainer, log)
-        if stopped_by != "halt":
-            export = out_dir / EXPORT_DIR
-            save_drafter(trainer.drafter, export, dtype=cfg.export_dtype)
-            (export / TRAINING_LOG).write_text(
-                json.dumps(
-                    {
-                        "steps": trainer.step,
-                        "max_steps": trainer.max_steps,
-                        "stopped_by": stopped_by,
-                        "wall_clock_s": round(log.elapsed_s, 1),
-                        "num_trainable_params": n_params,
-                        "final_eval": final_eval,
-                        "train": log.train,
-                        "eval": log.eval,
-                        "train_config": cfg.to_dict(),
-                    },
-                    indent=2,
-                )
-                + "\n"
-            )
-            export_dir = str(export)
-            say(f"train-draft: exported {kind} drafter to {export_dir}")
-    if dist_info.enabled:
-        dist.barrier()
-    seqs = session_steps * cfg.batch_size
+    stopped_by = trainer.run()
+    seqs = trainer.session_steps * cfg.batch_size
     return DraftTrainResult(
         steps=trainer.step,
         max_steps=trainer.max_steps,
         stopped_by=stopped_by,
-        wall_clock_s=round(log.elapsed_s, 1),
-        sequences_per_s=round(seqs / session_train_s, 3) if session_train_s else 0.0,
-        final_train=last_train,
-        final_eval=final_eval,
-        num_trainable_params=n_params,
+        wall_clock_s=round(trainer.log.elapsed_s, 1),
+        sequences_per_s=round(seqs / trainer.session_train_s, 3) if trainer.session_train_s else 0.0,
+        final_train=trainer.last_train,
+        final_eval=trainer.last_eval if stopped_by != "halt" else None,
+        num_trainable_params=trainer.num_trainable_params,
         checkpoint=str(ckpt),
-        export_dir=export_dir,
+        export_dir=str(trainer.export_dir) if trainer.export_dir else None,
     )

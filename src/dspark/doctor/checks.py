@@ -1,4 +1,4 @@
-"""The deployment doctor behind ``dspark check DRAFT_DIR [--target DIR] [--json]``.
+"""The deployment doctor behind ``dspark check DRAFT [--target MODEL] [--json]`` and the load-time gate.
 
 Runs the deployment checklist for a DSpark draft (and, with ``--target``, its pairing with the target) and
 reports every problem found, each with its fix. One small function per check; each returns the problems it
@@ -6,9 +6,14 @@ found (``Problem(message, fix)``) or raises ``_Skip`` when its inputs are absent
 Nothing here raises on broken input: configs are read as raw JSON first, checkpoints through their
 headers only, and weights one tensor (chunk) at a time with safetensors ``safe_open`` — never into a model.
 
-Checks, in order (``*`` = needs ``--target``): draft-config, target-config*, lfs-pointers, safetensors,
-roster, vocab, lm-head (borrowed from the target when the draft has none), embedding*, tokenizer (target dir,
-else draft dir), special-tokens, yarn*, target-layer-ids, hidden-size*, bf16, confidence-head, markov-head.
+The checks follow the six deployment steps of the Kimi-K3-DSpark card (``STEPS``): 1 weights (incl. the separate
+lm_head and Git LFS pointers), 2 layer mapping, 3 KV cache and YaRN identity with the target, 4 confidence and
+Markov heads, 5 the lossless-acceptance run to do next, 6 the metrics to monitor. Without a draft (``draft_dir``
+None) only the target's checks run: that is what ``generate``/``serve``/``LLM`` run before an n-gram or plain
+target (dspark.doctor.gate).
+
+Dependency direction: this package reads checkpoints (dspark.checkpoint) and builds meta-device rosters from the
+model classes (dspark.models); neither of those imports the doctor.
 """
 
 from __future__ import annotations
@@ -34,10 +39,13 @@ from dspark.checkpoint.io import (
     list_checkpoint_tensors,
 )
 from dspark.checkpoint.roster import TensorSpec, compare_roster, report_problems
-from dspark.config import ConfigError, DraftConfig
+from dspark.config import RANDOM_WEIGHTS_KEY, ConfigError, DraftConfig, TargetConfig
 
 __all__ = [
     "CHECKS",
+    "LOAD_CHECKS",
+    "METRICS",
+    "STEPS",
     "CheckProblem",
     "CheckReport",
     "format_report",
@@ -48,6 +56,8 @@ __all__ = [
 LM_HEAD_FILE = "lm_head.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # fast tokenizer, or a SentencePiece model
+MLA_TARGET_TYPES = ("deepseek_v3", "kimi_k2", "deepseek_v2")
 BF16_MAX = torch.finfo(torch.bfloat16).max
 YARN_KEYS = (
     "factor",
@@ -82,6 +92,9 @@ class CheckReport:
     passed: tuple[str, ...]
     skipped: tuple[str, ...]
     skip_reasons: Mapping[str, str] = field(default_factory=dict, compare=False)
+    notes: Mapping[int, tuple[str, ...]] = field(default_factory=dict, compare=False)  # step -> facts/advice
+    draft_dir: Path | None = None
+    target_dir: Path | None = None
 
     @property
     def ok(self) -> bool:
@@ -97,6 +110,7 @@ class _Skip(Exception):
 
 
 NEEDS_TARGET = "needs --target"
+NO_DRAFT = "no draft model"
 
 
 # ---------------------------------------------------------------------------------------- inputs
@@ -249,9 +263,23 @@ def _load_tokenizer(dirs: list[Path]) -> _Tokenizer:
 class _Context:
     """Everything the checks read, each read once and lazily; reading never raises."""
 
-    def __init__(self, draft_dir: Path, target_dir: Path | None) -> None:
-        self.draft_dir = draft_dir
+    def __init__(self, draft_dir: Path | None, target_dir: Path | None) -> None:
+        self._draft_dir = draft_dir
         self.target_dir = target_dir
+
+    @property
+    def draft_dir(self) -> Path:
+        if self._draft_dir is None:
+            raise _Skip(NO_DRAFT)
+        return self._draft_dir
+
+    @property
+    def has_draft(self) -> bool:
+        return self._draft_dir is not None
+
+    @property
+    def draft_path(self) -> Path | None:
+        return self._draft_dir
 
     @cached_property
     def draft_config_read(self) -> tuple[dict[str, Any] | None, Problem | None]:
@@ -288,8 +316,16 @@ class _Context:
 
     @cached_property
     def tokenizer(self) -> _Tokenizer:
-        dirs = [d for d in (self.target_dir, self.draft_dir) if d is not None and d.is_dir()]
-        return _load_tokenizer(dirs)
+        """The engine reads the tokenizer from the target directory; without --target, the draft's is checked."""
+        home = self.target_dir if self.target_dir is not None else self._draft_dir
+        return _load_tokenizer([home] if home is not None and home.is_dir() else [])
+
+    def random_weights(self) -> bool:
+        """The target (or, without one, the draft) is marked as explicitly random test weights."""
+        raw = self.target_config_read[0] if self.target_dir is not None else None
+        if raw is None and self._draft_dir is not None:
+            raw = self.draft_config_read[0]
+        return bool(raw and raw.get(RANDOM_WEIGHTS_KEY) is True)
 
     @cached_property
     def draft_roster(self) -> dict[str, TensorSpec]:
@@ -357,6 +393,7 @@ def _find(infos: Mapping[str, TensorInfo], suffix: str) -> str | None:
 
 def check_draft_config(ctx: _Context) -> list[Problem]:
     """config.json exists, is JSON, and parses as a k3_dspark / Qwen3DSpark draft config."""
+    ctx.draft_dir  # noqa: B018 (skips without a draft)
     return [p for p in (ctx.draft_config_read[1], ctx.draft_cfg_parse[1]) if p is not None]
 
 
@@ -387,7 +424,7 @@ def _lfs_size(p: Path) -> str:
 def check_lfs_pointers(ctx: _Context) -> list[Problem]:
     """No file of the draft/target directories is a Git LFS pointer standing in for the real content."""
     problems = []
-    for d in (ctx.draft_dir, ctx.target_dir):
+    for d in (ctx.draft_path, ctx.target_dir):
         if d is None or not d.is_dir():
             continue
         for p in sorted(d.iterdir()):
@@ -404,10 +441,11 @@ def check_lfs_pointers(ctx: _Context) -> list[Problem]:
 
 def check_safetensors(ctx: _Context) -> list[Problem]:
     """Every safetensors file has a valid header that matches its size (LFS pointers are reported above)."""
-    if not ctx.draft_dir.is_dir():
+    draft_scans = (ctx.draft_scan, ctx.lm_head_scan) if ctx.has_draft and ctx.draft_dir.is_dir() else ()
+    if ctx.has_draft and not draft_scans:
         raise _Skip("the draft directory does not exist: see draft-config")
     problems = []
-    for scan in (ctx.draft_scan, ctx.lm_head_scan, ctx.target_scan):
+    for scan in (*draft_scans, ctx.target_scan):
         if scan is None:
             continue
         problems += [p for p in scan.problems if "Git LFS pointer" not in p.message]
@@ -577,16 +615,23 @@ def check_embedding(ctx: _Context) -> list[Problem]:
 
 
 def check_tokenizer(ctx: _Context) -> list[Problem]:
-    """tokenizer.json / tokenizer_config.json found (target dir, else draft dir), loadable, within vocab."""
+    """tokenizer.json found in the target dir (where the engine reads it; without --target the draft dir),
+    loadable, within the vocabulary. Only explicitly random test weights may go without one."""
     tok = ctx.tokenizer
-    if tok.json_path is None and tok.config_path is None:
+    if tok.json_path is None:
+        home = ctx.target_dir if ctx.target_dir is not None else ctx.draft_path
+        if ctx.random_weights():
+            raise _Skip(f"{home} holds explicitly random test weights ({RANDOM_WEIGHTS_KEY}): bytes stand in for text")
         if ctx.target_dir is None:
             raise _Skip(f"{NEEDS_TARGET}: no {TOKENIZER_FILE} in the draft dir")
+        if not ctx.target_dir.is_dir() or any((ctx.target_dir / f).is_file() for f in TOKENIZER_FILES[1:]):
+            return []  # no target dir (see target-config), or a SentencePiece model transformers converts
         return [
             Problem(
-                f"no {TOKENIZER_FILE} or {TOKENIZER_CONFIG_FILE} in {ctx.target_dir} or {ctx.draft_dir}",
+                f"no {TOKENIZER_FILE} in the target directory {ctx.target_dir}: prompts cannot be tokenized "
+                "(the text would be garbage)",
                 f"copy {TOKENIZER_FILE} and {TOKENIZER_CONFIG_FILE} from the target model's repository into "
-                f"{ctx.target_dir}",
+                f"{ctx.target_dir} (a tokenizer in the draft directory is not used)",
             )
         ]
     if tok.lfs:
@@ -603,7 +648,8 @@ def check_tokenizer(ctx: _Context) -> list[Problem]:
             )
     if tok.tokenizer is not None:
         n = tok.tokenizer.get_vocab_size(with_added_tokens=True)
-        for who, raw in (("draft", ctx.draft_config_read[0]), ("target", ctx.target_config_read[0])):
+        draft_raw = ctx.draft_config_read[0] if ctx.has_draft else None
+        for who, raw in (("draft", draft_raw), ("target", ctx.target_config_read[0])):
             v = _as_int(_text_config(raw).get("vocab_size")) if raw is not None else None
             if v is not None and n > v:
                 problems.append(
@@ -721,15 +767,35 @@ def _rope(d: Mapping[str, Any]) -> tuple[bool, dict[str, Any]]:
     return kind in ("yarn", "deepseek_yarn"), values
 
 
+def _plain_rope_problems(src: Path, d_yarn: bool, d: dict[str, Any], t: dict[str, Any]) -> list[Problem]:
+    """The target rotates without YaRN: the draft must not scale, and rope_theta must be the target's."""
+    if d_yarn and d["factor"] != 1.0:
+        return [
+            Problem(
+                f"{src} uses YaRN (factor {d['factor']}) but the target does not",
+                f"set rope_parameters in {src} to the target's: {json.dumps({'rope_type': 'default'} | t)}",
+            )
+        ]
+    if d["rope_theta"] != t["rope_theta"]:
+        return [
+            Problem(
+                f"rope_theta differs: draft {d['rope_theta']!r} vs target {t['rope_theta']!r}",
+                f"set rope_theta = {t['rope_theta']!r} in {src} (the draft rotates positions as the target does)",
+            )
+        ]
+    return []
+
+
 def check_yarn(ctx: _Context) -> list[Problem]:
-    """Where the target uses YaRN, the draft's YaRN parameters are identical to the target's."""
+    """The draft's rotary parameters are the target's: every YaRN key when the target uses YaRN (factor,
+    original_max_position_embeddings, betas, mscales, rope_theta), else rope_theta and no scaling."""
     t = ctx.target()
     raw = ctx.raw()
     t_yarn, t_vals = _rope(t)
-    if not t_yarn:
-        return []
     d_yarn, d_vals = _rope(raw)
     src = ctx.draft_dir / "config.json"
+    if not t_yarn:
+        return _plain_rope_problems(src, d_yarn, d_vals, t_vals)
     if not d_yarn:
         return [
             Problem(
@@ -937,6 +1003,120 @@ def check_markov_head(ctx: _Context) -> list[Problem]:
     return []
 
 
+def _target_roster_expected(raw: dict[str, Any], src: Path) -> dict[str, TensorSpec]:
+    """The MLA target's expected tensors (meta device); other families are checked by their own loader."""
+    mt = raw.get("model_type", "deepseek_v3")
+    if mt not in MLA_TARGET_TYPES:
+        raise _Skip(f"model_type {mt!r}: its tensors are checked by its loader (transformers / GGUF export)")
+    try:
+        cfg = TargetConfig.from_dict(raw, source=str(src))
+    except (ConfigError, TypeError, ValueError) as e:
+        raise _Skip(f"the target config.json does not parse ({e})") from e
+    from dspark.models.loading import target_roster
+
+    return target_roster(cfg)
+
+
+def check_target_roster(ctx: _Context) -> list[Problem]:
+    """Every tensor the target's config.json implies is in its checkpoint, with its shape (MLA targets)."""
+    raw = ctx.target()
+    assert ctx.target_dir is not None
+    expected = _target_roster_expected(raw, ctx.target_dir / "config.json")
+    found = ctx.target_tensors()
+    if raw.get("tie_word_embeddings"):
+        expected.pop("lm_head.weight", None)
+    report = compare_roster(expected, found, ignore_unexpected=("model.layers.*.mlp.experts.*.*_scale*", "lm_head.*"))
+    return report_problems(report, source=f"the target checkpoint {ctx.target_dir}")
+
+
+_HALF = ("F16", "BF16")
+
+
+def _dtype_problems(raw: dict[str, Any] | None, infos: Mapping[str, TensorInfo], who: str) -> list[Problem]:
+    """16-bit floats are either all F16 or all BF16, and the kind config.json declares (bit-for-bit the same
+    size, so a relabelled header passes every size check and silently reinterprets the weights)."""
+    declared = {"bfloat16": "BF16", "float16": "F16"}.get(str((raw or {}).get("torch_dtype", "")))
+    half = {name: i.dtype for name, i in infos.items() if i.dtype in _HALF}
+    kinds = sorted(set(half.values()))
+    if declared is not None:
+        odd = sorted(n for n, d in half.items() if d != declared)
+    elif len(kinds) > 1:
+        majority = max(kinds, key=lambda k: sum(d == k for d in half.values()))
+        odd = sorted(n for n, d in half.items() if d != majority)
+        declared = majority
+    else:
+        return []
+    if not odd:
+        return []
+    other = half[odd[0]]
+    return [
+        Problem(
+            f"{who}: {len(odd)} tensor(s) are stored as {other} while the checkpoint is {declared} "
+            f"(torch_dtype {(raw or {}).get('torch_dtype')!r}), e.g. {odd[:3]}: a relabelled header reinterprets "
+            "the bits as another number format",
+            "re-download or re-export the checkpoint (convert with a real cast, never by editing the header)",
+        )
+    ]
+
+
+def check_dtype(ctx: _Context) -> list[Problem]:
+    """Half-precision tensors agree with each other and with config.json's torch_dtype (draft and target)."""
+    scans: list[tuple[dict[str, Any] | None, _Scan | None, str]] = []
+    if ctx.has_draft and ctx.draft_dir.is_dir():
+        raw = ctx.draft_config_read[0]
+        scans += [(raw, ctx.draft_scan, f"draft {ctx.draft_scan.path}"), (raw, ctx.lm_head_scan, "")]
+    if ctx.target_dir is not None:
+        raw = ctx.target_config_read[0]
+        scans.append((_text_config(raw) if raw else None, ctx.target_scan, f"target {ctx.target_dir}"))
+    problems = []
+    for raw, scan, who in scans:
+        if scan is not None and not scan.problems:
+            problems += _dtype_problems(raw, scan.infos, who or str(scan.path))
+    return problems
+
+
+def _latent_width(d: Mapping[str, Any], gqa: bool) -> int | None:
+    """Values cached per token per layer: MLA kv_lora_rank + qk_rope_head_dim; GQA [k | v] = 2·kvH·head_dim."""
+    if gqa:
+        kv, hd = _as_int(d.get("num_key_value_heads")), _as_int(d.get("head_dim"))
+        return 2 * kv * hd if kv and hd else None
+    c, r = _as_int(d.get("kv_lora_rank")), _as_int(d.get("qk_rope_head_dim"))
+    return c + r if c and r else None
+
+
+def check_kv_cache(ctx: _Context) -> list[Problem]:
+    """An MLA target shares its latent pages with the draft: the draft's cached row must have the same width."""
+    t = ctx.target()
+    cfg = ctx.cfg()
+    if t.get("model_type", "deepseek_v3") not in MLA_TARGET_TYPES:
+        return []  # the target recomputes its prefix; the pool holds the draft's rows only
+    tw, dw = _latent_width(t, gqa=False), _latent_width(ctx.raw(), gqa=cfg.is_gqa)
+    if tw is None or dw is None or tw == dw:
+        return []
+    return [
+        Problem(
+            f"the draft caches {dw} values per token per layer but the target's latent pages are {tw} wide "
+            "(kv_lora_rank + qk_rope_head_dim): they cannot share one paged cache",
+            "use an MLA draft with the target's kv_lora_rank and qk_rope_head_dim (Kimi-K3: 512 + 64 = 576)",
+        )
+    ]
+
+
+def _kv_note(ctx: _Context) -> str | None:
+    raw = ctx.draft_config_read[0] if ctx.has_draft else None
+    if raw is None:
+        return None
+    archs = raw.get("architectures")
+    gqa = isinstance(archs, list) and "Qwen3DSparkModel" in archs
+    width, layers = _latent_width(raw, gqa), _as_int(raw.get("num_hidden_layers"))
+    if width is None or layers is None:
+        return None
+    return (
+        f"draft KV cache: {layers} layers x {width} values x 2 B (bf16) = {layers * width * 2:,} B per token, "
+        "in the target's pages (one block table per request)"
+    )
+
+
 # ---------------------------------------------------------------------------------------- driver
 
 
@@ -945,36 +1125,103 @@ class Check:
     name: str
     run: Callable[[_Context], list[Problem]]
     title: str
+    step: int  # the deployment step (STEPS) it belongs to
 
+
+# The six deployment steps of the Kimi-K3-DSpark card, in order; steps 5 and 6 are what to do next.
+STEPS: tuple[tuple[int, str], ...] = (
+    (1, "load the draft weights: model.safetensors + lm_head.safetensors, shapes and vocabulary"),
+    (2, "layer mapping: target_layer_ids into the target's layers"),
+    (3, "KV cache and YaRN: shared latent pages, rotary parameters identical to the target's"),
+    (4, "confidence head + Markov head enabled"),
+    (5, "lossless acceptance: target-only and speculative output must be identical token by token"),
+    (6, "monitoring: acceptance rate, throughput (Prometheus at /metrics)"),
+)
 
 CHECKS: tuple[Check, ...] = (
-    Check("draft-config", check_draft_config, "draft config.json parses as a DSpark draft config"),
-    Check("target-config", check_target_config, "target config.json is readable"),
-    Check("lfs-pointers", check_lfs_pointers, "no Git LFS pointer files in place of real files"),
-    Check("safetensors", check_safetensors, "safetensors files match their headers"),
-    Check("roster", check_roster, "draft tensor names, shapes and dtypes match config.json"),
-    Check("vocab", check_vocab, "vocab_size matches embedding/lm_head rows and the target"),
-    Check("lm-head", check_lm_head, "an lm_head [vocab, hidden] is available (own file or the target's)"),
-    Check("embedding", check_embedding, "the target's embedding is [vocab, draft hidden]"),
-    Check("tokenizer", check_tokenizer, "tokenizer found, loadable and within the vocabulary"),
-    Check("special-tokens", check_special_tokens, "mask/bos/eos/pad ids agree with each other and the vocab"),
-    Check("yarn", check_yarn, "draft YaRN parameters equal the target's"),
-    Check("target-layer-ids", check_target_layer_ids, "target_layer_ids increasing, inside the target, not last"),
-    Check("hidden-size", check_hidden_size, "target hidden_size == draft target_hidden_size"),
-    Check("bf16", check_bf16, "weights finite and representable in bf16"),
-    Check("confidence-head", check_confidence_head, "confidence head tensors match enable_confidence_head"),
-    Check("markov-head", check_markov_head, "Markov head tensors present iff markov_rank > 0"),
+    Check("draft-config", check_draft_config, "draft config.json parses as a DSpark draft config", 1),
+    Check("target-config", check_target_config, "target config.json is readable", 1),
+    Check("lfs-pointers", check_lfs_pointers, "no Git LFS pointer files in place of real files", 1),
+    Check("safetensors", check_safetensors, "safetensors files match their headers", 1),
+    Check("roster", check_roster, "draft tensor names, shapes and dtypes match config.json", 1),
+    Check("target-roster", check_target_roster, "every tensor of the target's config is in its checkpoint", 1),
+    Check("dtype", check_dtype, "half-precision tensors all of the torch_dtype config.json declares", 1),
+    Check("bf16", check_bf16, "weights finite and representable in bf16", 1),
+    Check("vocab", check_vocab, "vocab_size matches embedding/lm_head rows and the target", 1),
+    Check("lm-head", check_lm_head, "an lm_head [vocab, hidden] is available (own file or the target's)", 1),
+    Check("embedding", check_embedding, "the target's embedding is [vocab, draft hidden]", 1),
+    Check("tokenizer", check_tokenizer, "the target's tokenizer.json found, loadable and within the vocabulary", 1),
+    Check("special-tokens", check_special_tokens, "mask/bos/eos/pad ids agree with each other and the vocab", 1),
+    Check("target-layer-ids", check_target_layer_ids, "target_layer_ids increasing, inside the target, not last", 2),
+    Check("hidden-size", check_hidden_size, "target hidden_size == draft target_hidden_size", 2),
+    Check("kv-cache", check_kv_cache, "draft cache rows as wide as the target's latent pages", 3),
+    Check("yarn", check_yarn, "draft rotary/YaRN parameters equal the target's", 3),
+    Check("confidence-head", check_confidence_head, "confidence head tensors match enable_confidence_head", 4),
+    Check("markov-head", check_markov_head, "Markov head tensors present iff markov_rank > 0", 4),
+)
+# What generate/serve/LLM run before loading (headers and configs only; the finiteness scan runs over the loaded
+# weights instead of bf16's second read from disk).
+LOAD_CHECKS: tuple[str, ...] = tuple(c.name for c in CHECKS if c.name != "bf16")
+
+# Step 6: what to watch in production (dspark serve exports vLLM's names).
+METRICS: tuple[tuple[str, str], ...] = (
+    ("vllm:spec_decode_num_drafts_total", "speculative rounds"),
+    ("vllm:spec_decode_num_draft_tokens_total", "drafted tokens"),
+    ("vllm:spec_decode_num_accepted_tokens_total", "accepted drafts; acceptance rate = accepted / draft tokens"),
+    (
+        "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+        "accepted per draft position {position}: a drop after position 0 points at layer mapping or precision",
+    ),
+    ("dspark:spec_decode_mean_acceptance_length", "τ = 1 + accepted / drafts"),
+    ("vllm:generation_tokens_total", "end-to-end throughput (rate of this counter)"),
+    ("vllm:kv_cache_usage_perc", "latent page usage"),
 )
 
 
-def run_checks(draft_dir: str | Path, target_dir: str | Path | None = None) -> CheckReport:
-    """Run every check on a draft directory (and its target, when given); never raises on broken input."""
-    ctx = _Context(Path(draft_dir), Path(target_dir) if target_dir is not None else None)
+def _notes(ctx: _Context) -> dict[int, tuple[str, ...]]:
+    """Facts and next steps per deployment step (never problems)."""
+    notes: dict[int, list[str]] = {}
+    kv = _kv_note(ctx) if ctx.has_draft else None
+    if kv:
+        notes.setdefault(3, []).append(kv)
+    cfg = ctx.draft_cfg_parse[0] if ctx.has_draft and ctx.draft_config_read[0] is not None else None
+    if cfg is not None:
+        if cfg.enable_confidence_head:
+            notes.setdefault(4, []).append(
+                'serve with "enable_adaptive_verification": true so the confidence head sets the verify length'
+            )
+        else:
+            notes.setdefault(4, []).append("no confidence head: adaptive verification is unavailable with this draft")
+        if cfg.markov_rank == 0:
+            notes.setdefault(4, []).append('markov_rank 0: run it as "method": "dflash"')
+    notes[5] = (lossless_command(ctx),)
+    notes[6] = tuple(f"{name}  ({what})" for name, what in METRICS)
+    return {k: tuple(v) for k, v in notes.items()}
+
+
+def lossless_command(ctx: _Context) -> str:
+    target = str(ctx.target_dir) if ctx.target_dir is not None else "<target>"
+    draft = str(ctx.draft_path) if ctx.draft_path is not None else "<draft>"
+    spec = json.dumps({"method": "dspark", "model": draft, "num_speculative_tokens": 7})
+    return f"dspark verify-lossless --model {target} --speculative-config '{spec}' --dataset <prompts.jsonl>"
+
+
+def run_checks(
+    draft_dir: str | Path | None,
+    target_dir: str | Path | None = None,
+    *,
+    only: tuple[str, ...] | None = None,
+) -> CheckReport:
+    """Run the checks (``only``: these names) on a draft and/or its target; never raises on broken input."""
+    draft = Path(draft_dir) if draft_dir is not None else None
+    ctx = _Context(draft, Path(target_dir) if target_dir is not None else None)
     problems: list[CheckProblem] = []
     passed: list[str] = []
     skipped: list[str] = []
     reasons: dict[str, str] = {}
     for check in CHECKS:
+        if only is not None and check.name not in only:
+            continue
         try:
             found = check.run(ctx)
         except _Skip as s:
@@ -992,31 +1239,51 @@ def run_checks(draft_dir: str | Path, target_dir: str | Path | None = None) -> C
             problems += [CheckProblem(check.name, p.message, p.fix) for p in found]
         else:
             passed.append(check.name)
-    return CheckReport(tuple(problems), tuple(passed), tuple(skipped), reasons)
+    return CheckReport(tuple(problems), tuple(passed), tuple(skipped), reasons, _notes(ctx), draft, ctx.target_dir)
 
 
 def report_json(report: CheckReport) -> dict[str, Any]:
-    """The ``check --json`` schema: ``{"ok": bool, "problems": [{"check", "message", "fix"}]}`` (all str)."""
+    """The ``check --json`` schema: ``{"ok": bool, "problems": [{"check", "message", "fix"}]}`` (all str), plus
+    ``steps``: the six deployment steps in order, each with its checks' status and notes."""
     return {
         "ok": report.ok,
         "problems": [{"check": p.check, "message": p.message, "fix": p.fix} for p in report.problems],
+        "steps": [
+            {
+                "step": n,
+                "title": title,
+                "checks": {c.name: _status(report, c.name) for c in CHECKS if c.step == n and _status(report, c.name)},
+                "notes": list(report.notes.get(n, ())),
+            }
+            for n, title in STEPS
+        ],
     }
 
 
+def _status(report: CheckReport, name: str) -> str:
+    if any(p.check == name for p in report.problems):
+        return "problem"
+    return "passed" if name in report.passed else "skipped" if name in report.skipped else ""
+
+
 def format_report(report: CheckReport, *, ascii_only: bool = False) -> str:
-    """Human output in check order: ✔ per passed check, ✖ + fix per problem, – per skipped check (and why)."""
+    """Human output in the six deployment steps: ✔ per passed check, ✖ + fix per problem, – per skipped check
+    (and why), then each step's notes (step 5: the command to run next; step 6: the metrics to watch)."""
     ok_mark, bad_mark, dash = ("OK", "X", "-") if ascii_only else ("✔", "✖", "–")
     by_check: dict[str, list[CheckProblem]] = {}
     for p in report.problems:
         by_check.setdefault(p.check, []).append(p)
     lines = []
-    for check in CHECKS:
-        if check.name in report.passed:
-            lines.append(f"{ok_mark} {check.name}: {check.title}")
-        for p in by_check.get(check.name, []):
-            lines.append(f"{bad_mark} {check.name}: {p.message} {dash} fix: {p.fix}")
-        if check.name in report.skipped:
-            lines.append(f"{dash} {check.name}: skipped ({report.skip_reasons.get(check.name, 'not run')})")
+    for n, title in STEPS:
+        lines.append(f"[{n}/6] {title}")
+        for check in (c for c in CHECKS if c.step == n):
+            if check.name in report.passed:
+                lines.append(f"  {ok_mark} {check.name}: {check.title}")
+            for p in by_check.get(check.name, []):
+                lines.append(f"  {bad_mark} {check.name}: {p.message} {dash} fix: {p.fix}")
+            if check.name in report.skipped:
+                lines.append(f"  {dash} {check.name}: skipped ({report.skip_reasons.get(check.name, 'not run')})")
+        lines += [f"    {note}" for note in report.notes.get(n, ())]
     n_checks = len(report.passed) + len({p.check for p in report.problems})
     skipped = f", {len(report.skipped)} skipped" if report.skipped else ""
     if report.ok:

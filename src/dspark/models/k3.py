@@ -1,0 +1,163 @@
+"""Kimi K3's additions to the Kimi Linear decoder (k3-mla-architecture.md §2.1), each behind a config key.
+
+- SiTU (``hidden_act: "situ"``): act(g, u) = b_g·tanh(g/b_g)·σ(g) · b_u·tanh(u/b_u), betas (4, 25): a soft-capped
+  SwiGLU used by the dense FFN and every expert.
+- Latent MoE (``moe_latent_size``): x_lat = W_down x; routed experts (GLU, ``moe_intermediate_size``) run in the
+  latent space on x_lat; their weighted sum is RMS-normalised and projected back, y = W_up RMSNorm(Σ w_e E_e(x_lat)).
+  The router and the shared experts read the full hidden x (K3: shared experts fused, intermediate 2·3072).
+- AttnRes (``attn_res_block_size``): replaces the residual stream. Every layer l adds its attention and FFN outputs
+  to a running ``prefix``; at layers with l % block_size == 0 the incoming prefix is snapshotted into the block list
+  (the embedding is the first snapshot) and the prefix restarts empty. Each sublayer's input (and the final norm's)
+  is a softmax mix over [snapshots…, prefix]: score_j = ⟨RMSNorm(v_j), norm.weight ⊙ proj.weight⟩ (RMSNorm without
+  weight), mix = Σ_j softmax(score)_j · v_j of the raw v_j, in fp32.
+Names whose checkpoint spelling is not public yet ([U] in the reference) are ours: ``latent_down_proj``,
+``latent_norm``, ``latent_up_proj``; the AttnRes ones follow the reference (``self_attention_res_{norm,proj}``,
+``mlp_res_{norm,proj}``, ``output_attn_res_{norm,proj}``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.config import TargetConfig
+from dspark.models.layers import RMSNorm
+from dspark.models.target import MoEGate
+
+
+def situ(gate: torch.Tensor, up: torch.Tensor, betas: tuple[float, float] = (4.0, 25.0)) -> torch.Tensor:
+    """SiTU: b_g·tanh(g/b_g)·σ(g) · b_u·tanh(u/b_u)."""
+    bg, bu = betas
+    return bg * torch.tanh(gate / bg) * torch.sigmoid(gate) * (bu * torch.tanh(up / bu))
+
+
+class GatedMLP(nn.Module):
+    """down_proj(act(gate_proj(x), up_proj(x))) with act = SwiGLU's silu(g)·u or SiTU."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str, betas: tuple[float, float]) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act, self.betas = act, betas
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g, u = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(situ(g, u, self.betas) if self.act == "situ" else F.silu(g) * u)
+
+
+class K3MoE(nn.Module):
+    """Routed experts (optionally in a latent space) + shared experts; the router is the MLA target's MoEGate."""
+
+    def __init__(self, cfg: TargetConfig, act: str, betas: tuple[float, float], latent: int | None) -> None:
+        super().__init__()
+        assert cfg.n_routed_experts is not None
+        D = cfg.hidden_size
+        width = latent or D
+        self.gate = MoEGate(cfg)
+        self.experts = nn.ModuleList(
+            GatedMLP(width, cfg.moe_intermediate_size, act, betas) for _ in range(cfg.n_routed_experts)
+        )
+        self.shared_experts = (
+            GatedMLP(D, cfg.moe_intermediate_size * cfg.n_shared_experts, act, betas) if cfg.n_shared_experts else None
+        )
+        if latent:
+            self.latent_down_proj = nn.Linear(D, latent, bias=False)
+            self.latent_norm = RMSNorm(latent, cfg.rms_norm_eps)
+            self.latent_up_proj = nn.Linear(latent, D, bias=False)
+        self.latent = latent
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D] → [B, T, D]."""
+        flat = x.reshape(-1, x.shape[-1])
+        idx, weights = self.gate(flat)  # [N, k]
+        inp = self.latent_down_proj(flat) if self.latent else flat
+        routed = torch.zeros_like(inp)
+        for e in idx.unique().tolist():
+            rows, slot = (idx == e).nonzero(as_tuple=True)
+            routed.index_add_(0, rows, self.experts[e](inp[rows]) * weights[rows, slot, None].to(inp.dtype))
+        out = self.latent_up_proj(self.latent_norm(routed)) if self.latent else routed
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        return out.view_as(x)
+
+
+class ResMix(nn.Module):
+    """One AttnRes mixing point; holds ``{prefix}_norm`` and ``{prefix}_proj`` under the names the reference gives."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.norm = RMSNorm(dim, eps)
+        self.proj = nn.Linear(dim, 1, bias=False)
+
+    def forward(self, values: list[torch.Tensor]) -> torch.Tensor:
+        """values: J tensors [B, T, D] → Σ_j softmax_j(⟨RMSNorm(v_j), norm.weight ⊙ proj.weight⟩)·v_j [B, T, D]."""
+        v = torch.stack(values).float()  # [J, B, T, D]
+        unit = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + self.norm.eps)
+        scores = unit @ (self.norm.weight.float() * self.proj.weight.float()[0])  # [J, B, T]
+        mixed = (scores.softmax(0)[..., None] * v).sum(0)
+        return mixed.to(values[0].dtype)
+
+
+class ResidualStream:
+    """The classic residual stream h (every sublayer adds its output); taps: "residual" = h after the layer."""
+
+    def __init__(self, embedding: torch.Tensor) -> None:
+        self.h = embedding
+
+    def enter_layer(self, layer: int) -> None:
+        pass
+
+    def input(self, mix: ResMix | None) -> torch.Tensor:
+        return self.h
+
+    def add(self, out: torch.Tensor) -> None:
+        self.h = self.h + out
+
+    def tap(self, stream: str) -> torch.Tensor:
+        if stream != "residual":
+            raise ValueError(f"tap stream {stream!r} needs an AttnRes target; this target has only 'residual'")
+        return self.h
+
+    def output(self, mix: ResMix | None) -> torch.Tensor:
+        return self.h
+
+
+class AttnResStream(ResidualStream):
+    """The AttnRes state of one forward: completed block snapshots and the running prefix (None = empty).
+
+    Taps: "prefix" = the prefix sum after the layer (Inferact's K3 DSpark), "residual" = embedding + every
+    sublayer output so far (what a residual network would carry)."""
+
+    def __init__(self, embedding: torch.Tensor, block_size: int) -> None:
+        self.blocks: list[torch.Tensor] = []
+        self.prefix: torch.Tensor | None = embedding
+        self.block_size = block_size
+
+    def enter_layer(self, layer: int) -> None:
+        if layer % self.block_size == 0:
+            assert self.prefix is not None
+            self.blocks.append(self.prefix)
+            self.prefix = None
+
+    def values(self) -> list[torch.Tensor]:
+        return self.blocks + ([] if self.prefix is None else [self.prefix])
+
+    def input(self, mix: ResMix | None) -> torch.Tensor:
+        assert mix is not None
+        return mix(self.values())
+
+    def add(self, out: torch.Tensor) -> None:
+        self.prefix = out if self.prefix is None else self.prefix + out
+
+    def tap(self, stream: str) -> torch.Tensor:
+        if stream == "prefix":
+            assert self.prefix is not None
+            return self.prefix
+        if stream == "residual":
+            return torch.stack(self.values()).sum(0)
+        raise ValueError(f"tap stream {stream!r} is unknown; use 'prefix' or 'residual'")
+
+    def output(self, mix: ResMix | None) -> torch.Tensor:
+        return self.input(mix)

@@ -1,0 +1,241 @@
+"""Kimi Delta Attention (KDA): the linear-attention layer of Kimi Linear and Kimi K3.
+
+Reference: k3-mla-architecture.md §2.1. Per head (state S is [Dk, Dv], decay a_t = exp(g_t) per key channel):
+    q, k, v = SiLU(causal_conv(W x)); q, k L2-normalised; q ← q / sqrt(Dk)
+    S_t = (I − β_t k_t k_tᵀ) diag(a_t) S_{t−1} + β_t k_t v_tᵀ ;  o_t = S_tᵀ q_t
+    out = W_o [σ(W_g x) ⊙ RMSNorm_head(o)]
+Two evaluations of the same recurrence:
+- ``kda_recurrent``: the token-by-token loop (decode);
+- ``kda_chunked``: the chunkwise form (prefill / verify). Inside a chunk, with G_t = Σ_{i≤t} g_i and
+  u_i = k-corrected values, S_t = diag(e^{G_t}) S_0 + Σ_{i≤t} (e^{G_t − G_i} ⊙ k_i) u_iᵀ where u solves the unit
+  lower-triangular system (I + A) u = β ⊙ (v − (e^{G} ⊙ k) S_0), A_ij = β_i Σ_c k_ic k_jc e^{G_ic − G_jc} (j < i).
+  The same formula gives the state after every row, which verification keeps (no recomputation on acceptance).
+Padding rows (beyond a row's valid length) get g = 0 and β = 0, so they leave the state untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.config import KDAConfig
+
+
+@dataclass(frozen=True)
+class KDAState:
+    """One KDA layer's state for a batch (or, with a T axis after B, the state after every row)."""
+
+    conv: torch.Tensor  # [B, K-1, 3·H·Dk] pre-conv projections of the last K-1 tokens (zeros before the start)
+    recurrent: torch.Tensor  # [B, H, Dk, Dv] fp32
+
+
+class StateStore(Protocol):
+    """Where KDA states live between forwards (a contiguous cache in tests, slots of a pool in the engine)."""
+
+    keep_per_row: bool  # also hand write() the state after every row (verification)
+
+    def read(self, layer: int) -> KDAState | None:
+        """The states before this forward's first row (None: every row starts from zeros)."""
+        ...
+
+    def write(self, layer: int, final: KDAState, per_row: KDAState | None) -> None:
+        """final: the state after each row's last valid row; per_row: [B, T, ...] after every row (or None)."""
+        ...
+
+
+class KDACache:
+    """Contiguous per-batch KDA states (one entry per KDA layer): the simplest StateStore."""
+
+    def __init__(self, keep_per_row: bool = False) -> None:
+        self.keep_per_row = keep_per_row
+        self.states: dict[int, KDAState] = {}
+        self.per_row: dict[int, KDAState] = {}
+
+    def read(self, layer: int) -> KDAState | None:
+        return self.states.get(layer)
+
+    def write(self, layer: int, final: KDAState, per_row: KDAState | None) -> None:
+        self.states[layer] = final
+        if per_row is not None:
+            self.per_row[layer] = per_row
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(Σ x² + eps) over the last dim (the FLA convention: eps inside the root)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+# ---- the two forms of the gated delta rule ------------------------------------------------------------
+
+
+def kda_recurrent(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k, g [B, H, T, Dk] (q scaled), v [B, H, T, Dv], beta [B, H, T], state [B, H, Dk, Dv] (all fp32)
+    → out [B, H, T, Dv], final state."""
+    outs = []
+    for t in range(q.shape[2]):
+        state = state * g[:, :, t, :, None].exp()
+        predicted = torch.einsum("bhc,bhcv->bhv", k[:, :, t], state)
+        delta = beta[:, :, t, None] * (v[:, :, t] - predicted)
+        state = state + k[:, :, t, :, None] * delta[:, :, None, :]
+        outs.append(torch.einsum("bhc,bhcv->bhv", q[:, :, t], state))
+    return torch.stack(outs, 2), state
+
+
+def _chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    keep_per_row: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One chunk of length C (shapes as kda_recurrent) → out, final state, states after every row [B,H,C,Dk,Dv]."""
+    C = q.shape[2]
+    G = g.cumsum(2)  # [B, H, C, Dk]
+    lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    # decay[t, i, c] = exp(G_tc − G_ic) for i <= t, else 0
+    diff = (G[:, :, :, None, :] - G[:, :, None, :, :]).masked_fill(~lower[:, :, None], float("-inf"))
+    decay_k = diff.exp() * k[:, :, None, :, :]  # [B, H, C(t), C(i), Dk]
+    A = torch.einsum("bhtc,bhtic->bhti", k, decay_k) * beta[..., None]
+    rhs = beta[..., None] * (v - (G.exp() * k) @ state)  # [B, H, C, Dv]
+    u = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+    out = (q * G.exp()) @ state + torch.einsum("bhtc,bhtic->bhti", q, decay_k) @ u
+    final = G[:, :, -1, :, None].exp() * state + decay_k[:, :, -1].transpose(-1, -2) @ u
+    per_row = None
+    if keep_per_row:
+        per_row = G[..., None].exp() * state[:, :, None] + torch.einsum("bhtic,bhiv->bhtcv", decay_k, u)
+    return out, final, per_row
+
+
+def kda_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int = 64,
+    keep_per_row: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Chunkwise form; same contract as kda_recurrent, plus the state after every row [B, H, T, Dk, Dv]."""
+    outs, rows = [], []
+    for s in range(0, q.shape[2], chunk_size):
+        part = slice(s, s + chunk_size)
+        out, state, per_row = _chunk(
+            q[:, :, part], k[:, :, part], v[:, :, part], g[:, :, part], beta[:, :, part], state, keep_per_row
+        )
+        outs.append(out)
+        rows.append(per_row)
+    return torch.cat(outs, 2), state, torch.cat(rows, 2) if keep_per_row else None
+
+
+# ---- the layer ------------------------------------------------------------------------------------------
+
+
+class GatedHeadNorm(nn.Module):
+    """RMSNorm over each head's Dv channels (fp32, weight fp32) times σ(gate), cast back."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        return (xf * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+class KimiDeltaAttention(nn.Module):
+    """A KDA layer. Parameter names are the Kimi Linear checkpoint names (``q_conv1d``, ``A_log``, ``dt_bias``…)."""
+
+    def __init__(self, cfg: KDAConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layer_idx = layer_idx  # ordinal among the KDA layers (the state store's index)
+        D, H, Dk, K = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.conv_kernel_size
+        width = H * Dk
+        self.q_proj = nn.Linear(D, width, bias=False)
+        self.k_proj = nn.Linear(D, width, bias=False)
+        self.v_proj = nn.Linear(D, width, bias=False)
+        self.q_conv1d = nn.Conv1d(width, width, K, groups=width, bias=False)
+        self.k_conv1d = nn.Conv1d(width, width, K, groups=width, bias=False)
+        self.v_conv1d = nn.Conv1d(width, width, K, groups=width, bias=False)
+        self.f_a_proj = nn.Linear(D, Dk, bias=False)
+        self.f_b_proj = nn.Linear(Dk, width, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(1, 1, H, 1))
+        self.dt_bias = nn.Parameter(torch.zeros(width))
+        self.b_proj = nn.Linear(D, H, bias=False)
+        self.g_a_proj = nn.Linear(D, Dk, bias=False)
+        self.g_b_proj = nn.Linear(Dk, width, bias=False)
+        self.o_norm = GatedHeadNorm(Dk, cfg.rms_norm_eps)
+        self.o_proj = nn.Linear(width, D, bias=False)
+
+    def empty_state(self, batch: int, device: torch.device) -> KDAState:
+        cfg = self.cfg
+        width = 3 * cfg.num_heads * cfg.head_dim
+        conv = torch.zeros(batch, cfg.conv_kernel_size - 1, width, dtype=self.q_proj.weight.dtype, device=device)
+        rec = torch.zeros(batch, cfg.num_heads, cfg.head_dim, cfg.head_dim, dtype=torch.float32, device=device)
+        return KDAState(conv, rec)
+
+    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D] → log-decay g [B, T, H, Dk] (fp32, ≤ 0)."""
+        B, T, _ = x.shape
+        raw = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(B, T, self.cfg.num_heads, -1)
+        rate = self.A_log.float().exp()  # [1, 1, H, 1]
+        if self.cfg.gate_lower_bound is None:  # Kimi Linear: g = −e^{A}·softplus(raw)
+            return -rate * F.softplus(raw)
+        return self.cfg.gate_lower_bound * torch.sigmoid(rate * raw)  # K3: g = lb·σ(e^{A}·raw)
+
+    def short_conv(self, z: torch.Tensor, tail: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """z [B, T, 3W] pre-conv projections, tail [B, K-1, 3W] → SiLU(conv) [B, T, 3W], the new tail after each
+        row's last valid row [B, K-1, 3W], and the windows [B, T+K-1, 3W] (rows t+1..t+K-1 = tail after row t)."""
+        K = self.cfg.conv_kernel_size
+        window = torch.cat((tail.to(z.dtype), z), 1)  # [B, K-1+T, 3W]
+        weight = torch.cat((self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight), 0)  # [3W, 1, K]
+        out = F.conv1d(window.transpose(1, 2), weight, groups=weight.shape[0]).transpose(1, 2)  # [B, T, 3W]
+        idx = lengths[:, None] + torch.arange(K - 1, device=z.device)  # rows len..len+K-2 of the window
+        new_tail = window.gather(1, idx[..., None].expand(-1, -1, window.shape[-1]))
+        return F.silu(out), new_tail, window
+
+    def forward(
+        self, x: torch.Tensor, store: StateStore | None = None, lengths: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [B, T, D]; lengths [B] valid rows per batch row (default T) → [B, T, D]."""
+        B, T, _ = x.shape
+        cfg = self.cfg
+        H, Dk = cfg.num_heads, cfg.head_dim
+        lengths = torch.full((B,), T, dtype=torch.long, device=x.device) if lengths is None else lengths
+        prev = store.read(self.layer_idx) if store is not None else None
+        prev = self.empty_state(B, x.device) if prev is None else prev
+        z = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), -1)
+        mixed, tail, window = self.short_conv(z, prev.conv, lengths)
+        q, k, v = (t.reshape(B, T, H, Dk).transpose(1, 2).float() for t in mixed.split(H * Dk, -1))
+        valid = (torch.arange(T, device=x.device)[None, :] < lengths[:, None]).float()  # [B, T]
+        g = (self.forget_gate(x) * valid[:, :, None, None]).transpose(1, 2)  # [B, H, T, Dk]
+        beta = (torch.sigmoid(self.b_proj(x).float()) * valid[..., None]).transpose(1, 2)  # [B, H, T]
+        q = l2_normalize(q) * Dk**-0.5
+        k = l2_normalize(k)
+        keep = store is not None and store.keep_per_row
+        if T == 1 and cfg.decode_recurrent:
+            o, final = kda_recurrent(q, k, v, g, beta, prev.recurrent.float())
+            per_row = final[:, :, None] if keep else None
+        else:
+            o, final, per_row = kda_chunked(q, k, v, g, beta, prev.recurrent.float(), cfg.chunk_size, keep)
+        if store is not None:
+            rows = None
+            if per_row is not None:
+                K1 = cfg.conv_kernel_size - 1
+                tails = window.unfold(1, K1, 1)[:, 1:].transpose(-1, -2) if K1 else window[:, :0]
+                rows = KDAState(tails, per_row.transpose(1, 2))  # [B, T, K-1, 3W], [B, T, H, Dk, Dv]
+            store.write(self.layer_idx, KDAState(tail, final), rows)
+        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, H, Dk)
+        out = self.o_norm(o.transpose(1, 2).to(x.dtype), gate)
+        return self.o_proj(out.reshape(B, T, H * Dk))

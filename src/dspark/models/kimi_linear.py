@@ -1,0 +1,168 @@
+"""The hybrid KDA + MLA target: the Kimi Linear decoder (and, behind config keys, Kimi K3's additions).
+
+Layers follow ``layer_types``: "linear_attention" → Kimi Delta Attention (models/kda.py), "full_attention" → MLA
+(models/mla.py, NoPE with ``mla_use_nope``, optional sigmoid output gate). FFNs follow ``mlp_layer_types``: dense
+SwiGLU or the MoE of models/target.py (sigmoid router with correction bias, shared experts).
+MLA layers are numbered 0..L_mla-1 in the latent store (only they have pages); KDA layers 0..L_kda-1 in the state
+store. Module names are ours; ``checkpoint_name`` maps them to the names transformers' ``save_pretrained`` writes
+for ``KimiLinearForCausalLM`` (Moonshot's layout: ``block_sparse_moe``, experts ``w1/w2/w3``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from dspark.config import KimiLinearConfig
+from dspark.models.k3 import AttnResStream, GatedMLP, K3MoE, ResidualStream, ResMix
+from dspark.models.kda import KimiDeltaAttention, StateStore
+from dspark.models.layers import RMSNorm, SwiGLU, causal_mask, no_empty_rows
+from dspark.models.mla import LatentStore, MLAttention
+from dspark.models.rope import RotaryEmbedding
+from dspark.models.target import MoE, TargetOutput
+
+_EXPERT_NAMES = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+_RES_MIX = re.compile(r"(self_attention_res|mlp_res|output_attn_res)\.(norm|proj)\.")
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.")
+
+
+def checkpoint_name(name: str, dense_prefix: str = "block_sparse_moe") -> str:
+    """Our parameter name → the Kimi Linear checkpoint name. ``dense_prefix`` names the dense FFN ("mlp" in
+    Moonshot's files, "block_sparse_moe" in transformers' save_pretrained output)."""
+    name = _EXPERT.sub(lambda m: f".mlp.experts.{m.group(1)}.{_EXPERT_NAMES[m.group(2)]}.", name)
+    name = _RES_MIX.sub(r"\1_\2.", name)
+    if any(f".mlp.{part}" in name for part in ("experts.", "gate.", "shared_experts.", "latent_")):
+        return name.replace(".mlp.", ".block_sparse_moe.")
+    return name.replace(".mlp.", f".{dense_prefix}.")
+
+
+def _ffn(cfg: KimiLinearConfig, layer_idx: int) -> nn.Module:
+    """Dense or MoE FFN; the MLA target's SwiGLU / MoE unless a K3 addition (SiTU, latent MoE) is on."""
+    sparse = cfg.mlp_layer_types[layer_idx] == "sparse"
+    if cfg.hidden_act == "silu" and not (sparse and cfg.moe_latent_size):
+        return MoE(cfg.base) if sparse else SwiGLU(cfg.base.hidden_size, cfg.base.intermediate_size)
+    if sparse:
+        return K3MoE(cfg.base, cfg.hidden_act, cfg.situ_betas, cfg.moe_latent_size)
+    return GatedMLP(cfg.base.hidden_size, cfg.base.intermediate_size, cfg.hidden_act, cfg.situ_betas)
+
+
+class HybridLayer(nn.Module):
+    def __init__(self, cfg: KimiLinearConfig, layer_idx: int, attn_idx: int) -> None:
+        super().__init__()
+        D, eps = cfg.base.hidden_size, cfg.base.rms_norm_eps
+        self.layer_idx = layer_idx
+        self.is_kda = cfg.is_kda(layer_idx)
+        self.self_attn: nn.Module = (
+            KimiDeltaAttention(cfg.kda, attn_idx) if self.is_kda else MLAttention(cfg.mla, attn_idx)
+        )
+        self.mlp = _ffn(cfg, layer_idx)
+        self.input_layernorm = RMSNorm(D, eps)
+        self.post_attention_layernorm = RMSNorm(D, eps)
+        self.self_attention_res = ResMix(D, eps) if cfg.attn_res_block_size else None
+        self.mlp_res = ResMix(D, eps) if cfg.attn_res_block_size else None
+
+    def attend(self, x, cos, sin, mask, store, states, lengths, absorbed: bool) -> torch.Tensor:
+        if self.is_kda:
+            return self.self_attn(x, states, lengths)
+        return self.self_attn(x, cos, sin, mask, store, absorbed)
+
+    def forward(self, stream: ResidualStream, cos, sin, mask, store, states, lengths, absorbed: bool) -> None:
+        """Advance ``stream`` (residual or AttnRes) by this layer's attention and FFN outputs."""
+        stream.enter_layer(self.layer_idx)
+        x = stream.input(self.self_attention_res)
+        stream.add(self.attend(self.input_layernorm(x), cos, sin, mask, store, states, lengths, absorbed))
+        x = stream.input(self.mlp_res)
+        stream.add(self.mlp(self.post_attention_layernorm(x)))
+
+
+class _Backbone(nn.Module):
+    def __init__(self, cfg: KimiLinearConfig) -> None:
+        super().__init__()
+        self.config_block_size = cfg.attn_res_block_size
+        self.embed_tokens = nn.Embedding(cfg.base.vocab_size, cfg.base.hidden_size)
+        ordinals = [sum(cfg.is_kda(j) == cfg.is_kda(i) for j in range(i)) for i in range(cfg.num_hidden_layers)]
+        self.layers = nn.ModuleList(HybridLayer(cfg, i, ordinals[i]) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.base.hidden_size, cfg.base.rms_norm_eps)
+        self.output_attn_res = ResMix(cfg.base.hidden_size, cfg.base.rms_norm_eps) if cfg.attn_res_block_size else None
+
+    def stream(self, embedding: torch.Tensor) -> ResidualStream:
+        block = self.config_block_size
+        return ResidualStream(embedding) if block is None else AttnResStream(embedding, block)
+
+
+class KimiLinearTarget(nn.Module):
+    """Hybrid decoder over a batch of right-padded rows: MLA latents in a LatentStore, KDA states in a StateStore."""
+
+    def __init__(self, cfg: KimiLinearConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = _Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.base.hidden_size, cfg.base.vocab_size, bias=False)
+        if cfg.base.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg.base.rope)
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def num_latent_layers(self) -> int:
+        """Layers with pages in the latent pool (the MLA layers)."""
+        return len(self.config.mla_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.base.hidden_size
+
+    @property
+    def latent_dim(self) -> int:
+        return self.config.mla.latent_dim
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Post-norm hidden [..., D] → fp32 logits [..., V]."""
+        return self.lm_head(hidden).float()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        store: LatentStore | None = None,
+        tap_layers: Sequence[int] = (),
+        logits_rows: torch.Tensor | None = None,
+        absorbed: bool = True,
+        compute_logits: bool = True,
+        states: StateStore | None = None,
+        lengths: torch.Tensor | None = None,
+        tap_stream: str | None = None,
+    ) -> TargetOutput:
+        """input_ids [B, T] (right-padded; lengths [B] valid rows, default T); positions [B, T]; mask [B, T, S]
+        for the MLA layers (default causal); states: KDA states before/after this forward (None: start at zero,
+        keep nothing); logits_rows [B, N]; tap_stream: "residual" | "prefix" (default: the config's first)."""
+        B, T = input_ids.shape
+        if positions is None:
+            positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        mask = no_empty_rows(causal_mask(positions, positions) if mask is None else mask)
+        cos, sin = self.rotary.cos_sin(positions)
+        h = self.model.embed_tokens(input_ids)
+        wanted = set(tap_layers)
+        taps = [h] if -1 in wanted else []
+        stream = self.model.stream(h)
+        for i, layer in enumerate(self.model.layers):
+            layer(stream, cos, sin, mask, store, states, lengths, absorbed)
+            if i in wanted:
+                taps.append(stream.tap(tap_stream or self.config.tap_streams[0]))
+        h = self.model.norm(stream.output(self.model.output_attn_res))
+        logits = None
+        if compute_logits:
+            rows = h if logits_rows is None else h.gather(1, logits_rows[..., None].expand(-1, -1, h.shape[-1]))
+            logits = self.compute_logits(rows)
+        return TargetOutput(logits=logits, taps=torch.cat(taps, -1) if taps else None, hidden=h)
