@@ -8,7 +8,11 @@ from torch.profiler import ProfilerActivity, profile
 from dspark import profiling, threads
 from dspark.bench.breakdown import exclusive_scope_times
 from dspark.cli import main
-from dspark.models.tiny import write_tiny_pair
+from dspark.config import EngineConfig, SpeculativeConfig
+from dspark.engine.engine import Engine
+from dspark.engine.metrics import DecodeTimes, tau_bound
+from dspark.models.tiny import build_tiny_pair, write_tiny_pair
+from dspark.sampling_params import SamplingParams
 
 
 def test_scopes_are_a_shared_no_op_unless_recording():
@@ -82,3 +86,21 @@ def test_thread_choice_is_measured_then_cached(tmp_path, monkeypatch):
         assert "intra-op 3 ($DSPARK_NUM_THREADS)" in threads.describe_threads()
     finally:
         torch.set_num_threads(before)
+
+
+def test_tau_bound_is_tau_times_step_cost_ratio():
+    ar = DecodeTimes(steps=10, propose_s=0.0, verify_s=0.09, total_s=0.1)  # 10 ms per plain step
+    spec = DecodeTimes(steps=4, propose_s=0.008, verify_s=0.040, total_s=0.06)  # 2 + 10 ms per round
+    assert abs(tau_bound(5.0, ar, spec) - 5.0 * 10 / 12) < 1e-12
+    assert tau_bound(5.0, DecodeTimes(), spec) is None
+
+
+def test_engine_times_every_decode_step():
+    target, drafter = build_tiny_pair(0)
+    eng = Engine(target, drafter, SpeculativeConfig(num_speculative_tokens=3), EngineConfig(dtype="float32"))
+    eng.add_request([5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    while eng.has_unfinished:
+        eng.step()
+    d = eng.metrics.decode
+    assert d.steps == eng.metrics.spec.num_steps > 0
+    assert 0 < d.propose_s and 0 < d.verify_s and d.propose_s + d.verify_s <= d.total_s

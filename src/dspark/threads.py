@@ -7,8 +7,11 @@ for the bundled pair, while a 7B model wants every core. So the default is measu
 1. ``DSPARK_NUM_THREADS`` (an integer) wins when set;
 2. else a cached choice for (CPU model, usable cores, torch version, model shape and dtype) from
    ``$XDG_CACHE_HOME/dspark/threads.json`` (``~/.cache`` by default);
-3. else a calibration (~0.5 s): the model's own forward for one and eight new tokens, timed round-robin at
-   each candidate count (1, 2, 4, ... up to the usable cores), median of 5; the fastest wins and is cached.
+3. else a calibration (a second or two): a few real engine decode steps on the loaded model (see
+   ``dspark.llm.build_engines``), timed round-robin at each candidate count (1, 2, 4, ... up to the usable
+   cores), median of 5; the fastest wins and is cached.
+
+A ``--num-threads`` flag (``set_threads``) overrides all of this.
 
 Inter-op threads stay at torch's default (eager inference runs no inter-op work). The OpenMP wait policy is
 PASSIVE (set by ``import dspark`` before torch loads): spinning waiters stall each other on a shared machine.
@@ -27,6 +30,7 @@ import torch
 
 ENV = "DSPARK_NUM_THREADS"
 _source = "torch default"
+_explicit = False  # set_threads was called (a CLI flag): calibration leaves the choice alone
 
 
 def usable_cores() -> int:
@@ -134,6 +138,10 @@ def describe_threads() -> str:
 
 def set_threads(n: int, source: str) -> None:
     """An explicit choice (a CLI flag): set it and say where it came from in `describe_threads`."""
-    global _source
+    global _source, _explicit
     torch.set_num_threads(n)
-    _source = source
+    _source, _explicit = source, True
+
+
+def is_explicit() -> bool:
+    return _explicit

@@ -264,7 +264,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per point (default 2)")
     p.add_argument("--raw", action="store_true", help="keep raw medians (no non-increasing fit over B)")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--num-threads", type=int, default=None, help="torch threads (default: measured, see dspark/threads.py)"
+    )
     p.add_argument("--quiet", action="store_true", help="no per-point lines")
     p.add_argument(
         "--breakdown",

@@ -227,12 +227,16 @@ class Engine:
 
     # ---- phases ------------------------------------------------------------------------------------------
     def _decode(self, decodes: list[Request]) -> None:
+        t0 = time.perf_counter()
         with scope("step.metadata"):
             sampling = self.runner.sampling_tensors(decodes, self.K + 1)
         proposal = self._propose(decodes, sampling)  # drafter block, n-gram lookup, or none
+        t1 = time.perf_counter()
         lengths = self._verify_lengths(decodes, proposal)  # fixed K or Algorithm 1
         logits = self._verify(decodes, proposal, lengths)  # one target forward over [anchor, d_1..d_L]
+        t2 = time.perf_counter()
         self._accept_and_commit(decodes, proposal, lengths, logits, sampling)
+        self.metrics.decode = self.metrics.decode.plus(t1 - t0, t2 - t1, time.perf_counter() - t0)
 
     def _prefill(self, chunks: list[PrefillChunk]) -> None:
         reqs = [c.request for c in chunks]
