@@ -15,6 +15,7 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -174,15 +175,13 @@ def format_breakdowns(results: Sequence[Breakdown]) -> str:
     return "\n".join(lines)
 
 
-def cmd_breakdown(args) -> int:
-    """Entry of `dspark profile --breakdown` (args from bench/profile.py's parser)."""
+def cmd_breakdown(args, target_dir: Path, draft_dir: Path | None) -> int:
+    """Entry of `dspark profile --breakdown` (args from bench/profile.py's parser, which resolves the dirs)."""
     from dspark.bench.datasets import HELDOUT, read_bench_prompts
-    from dspark.bench.profile import _resolve
     from dspark.llm import build_engines
     from dspark.threads import describe_threads
 
     cfg = BreakdownConfig(steps=args.steps, warmup=args.warmup, concurrency=args.concurrency)
-    target_dir, draft_dir = _resolve(args)
     specs: list[dict | None] = [None]
     if draft_dir is not None:
         k = args.num_speculative_tokens

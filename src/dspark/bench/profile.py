@@ -205,7 +205,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if args.breakdown:
         from dspark.bench.breakdown import cmd_breakdown
 
-        return cmd_breakdown(args)
+        return cmd_breakdown(args, *_resolve(args))
 
     cfg = ProfileConfig(
         batch_sizes=args.batch_sizes,
