@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from dspark.cache.latent import PagedLatentPool
+from dspark.cache.pool import PagedPool
 from dspark.checkpoint.roster import num_params
 from dspark.config import DraftConfig, read_json
 from dspark.llm import OFFICIAL_DRAFT_CONFIG
@@ -71,7 +71,7 @@ def test_incremental_context_equals_all_at_once(absorbed):
     with torch.no_grad():
         ref = drafter(block, torch.arange(n, n + K)[None], mask_a, taps[:, :n], torch.arange(n)[None], None, absorbed)
     # (b) paged pool, context fed in three increments with a draft after each (shuffled page table)
-    pool = PagedLatentPool(drafter.config.num_hidden_layers, 8, 4, lat, torch.float32)
+    pool = PagedPool(drafter.config.num_hidden_layers, 8, 4, lat, torch.float32)
     table = [5, 2, 7, 0, 3, 1]
     for lo, hi in [(0, 5), (5, 9), (9, n)]:
         out = _draft_paged(drafter, pool, table, taps[:, lo:hi], torch.arange(lo, hi)[None], int(ids[0, hi]), hi)

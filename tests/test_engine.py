@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dspark.cache.allocator import BlockManager, PageAllocator
-from dspark.cache.latent import PagedLatentPool
+from dspark.cache.pool import CachePools
 from dspark.config import CacheConfig, EngineConfig, SpeculativeConfig
 from dspark.engine.engine import Engine
 from dspark.engine.request import Request
@@ -160,9 +160,9 @@ def test_sampled_output_matches_target_distribution(rule, draw, biased=False):
 
 
 def _runner(target, num_pages=16, page=4):
-    pool = PagedLatentPool(target.num_layers, num_pages, page, target.latent_dim, torch.float32)
+    pools = CachePools.build(target.page_format, None, num_pages, page, torch.float32)
     blocks = BlockManager(PageAllocator(num_pages, page))
-    return ModelRunner(target, None, blocks, pool), blocks
+    return ModelRunner(target, None, blocks, pools), blocks
 
 
 def test_paged_cache_equals_contiguous_forward():
@@ -246,7 +246,8 @@ def test_cache_report_bytes_per_token():
     eng = Engine(target, drafter, SpeculativeConfig(method="dspark"), FP32)
     rep = eng.cache_report()
     width = target.config.kv_lora_rank + target.config.qk_rope_head_dim  # one latent row per token per layer
-    assert rep["latent_width"] == width
+    assert rep["target_width"] == rep["draft_width"] == width and rep["shared_pool"]
+    assert rep["target_page_kind"] == rep["draft_page_kind"] == "mla"
     assert rep["target_bytes_per_token"] == target.num_layers * width * 4
     assert rep["draft_bytes_per_token"] == len(drafter.layers) * width * 4
 

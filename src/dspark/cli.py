@@ -215,9 +215,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         line += f"  speed-up vs no speculation: {speedup:.2f}x"
     print(line, file=sys.stderr)
     c = engines[0].cache_report()
+    pages = f"{c['target_page_kind']} {c['target_width']}-wide"
+    if c["draft_page_kind"] and not c["shared_pool"]:
+        pages += f" + draft {c['draft_page_kind']} {c['draft_width']}-wide"
     print(
-        f"latent cache: {c['latent_width']}-wide pages of {c['page_size']} tokens; bytes/token: target "
-        f"{c['target_bytes_per_token']}, draft {c['draft_bytes_per_token']}",
+        f"KV cache: {pages} pages of {c['page_size']} tokens ({'one shared pool' if c['shared_pool'] else 'pools'}); "
+        f"bytes/token: target {c['target_bytes_per_token']}, draft {c['draft_bytes_per_token']}",
         file=sys.stderr,
     )
     return 0

@@ -60,6 +60,9 @@ def _positive(source: str, **values: int | float | None) -> None:
 # --------------------------------------------------------------------------------------------------------
 
 
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     """Rotary embedding parameters (DeepSeek YaRN when ``rope_type == 'yarn'``)."""
@@ -74,23 +77,29 @@ class RopeConfig:
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
     interleave: bool = True
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    attention_factor: float | None = None  # yarn cos/sin magnitude (None: from factor / mscale)
+    truncate: bool = True  # yarn: floor/ceil the correction range
 
     def __post_init__(self) -> None:
         src = "rope_parameters"
-        if self.rope_type not in ("default", "yarn"):
-            raise _fail(src, "rope_type", self.rope_type, "supported: 'default', 'yarn'")
+        if self.rope_type not in ROPE_TYPES:
+            raise _fail(src, "rope_type", self.rope_type, f"supported: {', '.join(ROPE_TYPES)}")
         if self.dim <= 0 or self.dim % 2:
             raise _fail(src, "qk_rope_head_dim", self.dim, "must be a positive even number")
         _positive(src, rope_theta=self.theta, factor=self.factor, beta_fast=self.beta_fast)
-        if self.rope_type == "yarn" and self.original_max_position_embeddings is None:
-            raise _fail(src, "original_max_position_embeddings", None, "YaRN needs the original context length")
+        if self.rope_type in ("yarn", "llama3") and self.original_max_position_embeddings is None:
+            raise _fail(src, "original_max_position_embeddings", None, f"{self.rope_type} needs the original length")
 
     @property
     def is_yarn(self) -> bool:
         return self.rope_type == "yarn" and self.factor > 1.0
 
     @classmethod
-    def from_hf(cls, d: Mapping[str, Any], dim: int, source: str) -> RopeConfig:
+    def from_hf(cls, d: Mapping[str, Any], dim: int, source: str, interleave: bool = True) -> RopeConfig:
+        """From an HF config dict (``rope_parameters`` or legacy ``rope_scaling`` + ``rope_theta``); ``interleave``
+        is the family's default pair layout (DeepSeek: interleaved; Llama/Qwen: rotate-half)."""
         params = d.get("rope_parameters") or d.get("rope_scaling") or {}
         if not isinstance(params, Mapping):
             raise _fail(source, "rope_parameters", params, "must be an object or null")
@@ -98,8 +107,8 @@ class RopeConfig:
         rope_type = params.get("rope_type", params.get("type", "default")) or "default"
         if rope_type == "deepseek_yarn":
             rope_type = "yarn"
-        if rope_type not in ("default", "yarn"):
-            raise _fail(source, "rope_parameters.rope_type", rope_type, "supported: 'default' or 'yarn'")
+        if rope_type not in ROPE_TYPES:
+            raise _fail(source, "rope_parameters.rope_type", rope_type, f"supported: {', '.join(ROPE_TYPES)}")
         return cls(
             dim=dim,
             theta=theta,
@@ -110,22 +119,41 @@ class RopeConfig:
             beta_slow=float(params.get("beta_slow", 1.0)),
             mscale=float(params.get("mscale", 1.0)),
             mscale_all_dim=float(params.get("mscale_all_dim", 0.0) or 0.0),
-            interleave=bool(d.get("rope_interleave", True)),
+            interleave=bool(d.get("rope_interleave", interleave)),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            attention_factor=params.get("attention_factor"),
+            truncate=bool(params.get("truncate", True)),
         )
 
     def to_hf(self) -> dict[str, Any]:
         if self.rope_type == "default":
             return {"rope_type": "default", "rope_theta": self.theta}
-        return {
-            "rope_type": "yarn",
-            "factor": self.factor,
-            "original_max_position_embeddings": self.original_max_position_embeddings,
-            "rope_theta": self.theta,
-            "beta_fast": self.beta_fast,
-            "beta_slow": self.beta_slow,
-            "mscale": self.mscale,
-            "mscale_all_dim": self.mscale_all_dim,
-        }
+        if self.rope_type == "linear":
+            return {"rope_type": "linear", "factor": self.factor, "rope_theta": self.theta}
+        if self.rope_type == "llama3":
+            return {
+                "rope_type": "llama3",
+                "factor": self.factor,
+                "low_freq_factor": self.low_freq_factor,
+                "high_freq_factor": self.high_freq_factor,
+                "original_max_position_embeddings": self.original_max_position_embeddings,
+                "rope_theta": self.theta,
+            }
+        return (
+            {
+                "rope_type": "yarn",
+                "factor": self.factor,
+                "original_max_position_embeddings": self.original_max_position_embeddings,
+                "rope_theta": self.theta,
+                "beta_fast": self.beta_fast,
+                "beta_slow": self.beta_slow,
+                "mscale": self.mscale,
+                "mscale_all_dim": self.mscale_all_dim,
+            }
+            | ({"attention_factor": self.attention_factor} if self.attention_factor is not None else {})
+            | ({} if self.truncate else {"truncate": False})
+        )
 
 
 def yarn_get_mscale(factor: float, mscale: float) -> float:
@@ -362,6 +390,112 @@ class TargetConfig:
         if isinstance(self.eos_token_id, tuple):
             d["eos_token_id"] = list(self.eos_token_id)
         return d
+
+
+# --------------------------------------------------------------------------------------------------------
+# GQA targets (HF Llama / Qwen2 / Qwen3 config.json)
+# --------------------------------------------------------------------------------------------------------
+
+GQA_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+@dataclass(frozen=True)
+class GQATargetConfig:
+    """An HF ``llama`` / ``qwen2`` / ``qwen3`` ``config.json``: GQA attention with rotate-half RoPE, SwiGLU."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rope: RopeConfig
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # q/k/v projections (Qwen2 always; Llama/Qwen3 attention_bias)
+    o_bias: bool = False  # o_proj (Llama/Qwen3 attention_bias; never Qwen2)
+    mlp_bias: bool = False  # Llama mlp_bias
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        src = f"{self.model_type} config.json"
+        _positive(
+            src,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            max_position_embeddings=self.max_position_embeddings,
+        )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise _fail(src, "num_key_value_heads", self.num_key_value_heads, "must divide num_attention_heads")
+        for v in (self.bos_token_id, *self.eos_token_ids):
+            if v is not None and not 0 <= v < self.vocab_size:
+                raise _fail(src, "bos_token_id/eos_token_id", v, f"must be in [0, vocab_size={self.vocab_size})")
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        return (self.eos_token_id,) if isinstance(self.eos_token_id, int) else tuple(self.eos_token_id)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], source: str = "config.json") -> GQATargetConfig:
+        mt = d.get("model_type")
+        if mt not in GQA_MODEL_TYPES:
+            raise _fail(source, "model_type", mt, f"the GQA target reads {sorted(GQA_MODEL_TYPES)} configs")
+        _reject_unsupported(d, source)
+        heads = int(_require(d, "num_attention_heads", source))
+        hidden = int(_require(d, "hidden_size", source))
+        head_dim = int(d.get("head_dim") or hidden // heads)
+        bias = bool(d.get("attention_bias", False))
+        eos = d.get("eos_token_id")
+        return cls(
+            model_type=mt,
+            vocab_size=int(_require(d, "vocab_size", source)),
+            hidden_size=hidden,
+            intermediate_size=int(_require(d, "intermediate_size", source)),
+            num_hidden_layers=int(_require(d, "num_hidden_layers", source)),
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            rope=RopeConfig.from_hf(d, head_dim, source, interleave=False),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=True if mt == "qwen2" else bias,
+            o_bias=False if mt == "qwen2" else bias,
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            qk_norm=mt == "qwen3",
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=tuple(int(e) for e in eos) if isinstance(eos, list) else eos,
+            pad_token_id=d.get("pad_token_id"),
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> GQATargetConfig:
+        p = Path(path)
+        return cls.from_dict(read_json(p), source=str(p / "config.json" if p.is_dir() else p))
+
+
+def _reject_unsupported(d: Mapping[str, Any], source: str) -> None:
+    """Llama-family options our decoder does not implement: refuse rather than serve a different model."""
+    if d.get("hidden_act", "silu") != "silu":
+        raise _fail(source, "hidden_act", d.get("hidden_act"), "only 'silu' (SwiGLU) is supported")
+    if d.get("use_sliding_window"):
+        raise _fail(source, "use_sliding_window", True, "sliding-window attention is not implemented; set false")
+    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if float(params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
+        raise _fail(source, "partial_rotary_factor", params.get("partial_rotary_factor"), "only 1.0 is supported")
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -89,7 +89,7 @@ def build_engines(
     cache = CacheConfig(page_size=page_size, num_pages=num_pages, swap_space=swap_space)
     draft_dirs = [resolve_draft(spec, target_dir) if spec is not None else None for spec in specs]
     check_before_load(target_dir, draft_dirs)  # the doctor refuses what `dspark check` rejects
-    target = _load_any_target(target_dir, dtype)
+    target = load_target(target_dir, dtype)
     check_finite(target, f"target {target_dir}")
     _set_target_backend(target, ecfg.target_attention_backend)
     tok = load_tokenizer(target_dir, target.config.vocab_size, target.config.eos_token_ids)
@@ -107,10 +107,7 @@ def build_engines(
             drafter = drafters[key]
         _check_pair(spec, drafter, draft_dir)
         adaptive = load_adaptive(spec, draft_dir, target_dir) if spec and spec.enable_adaptive_verification else None
-        engine = Engine(target, drafter, spec, ecfg, cache, tok, adaptive)
-        engine.model_dir = target_dir  # type: ignore[attr-defined]
-        engine.draft_dir = draft_dir  # type: ignore[attr-defined]
-        engines.append(engine)
+        engines.append(Engine(target, drafter, spec, ecfg, cache, tok, adaptive, target_dir, draft_dir))
     _default_threads(engines[0], f"{target_dir.name}|{dtype}|{sum(p.numel() for p in target.parameters())} params")
     return engines
 
@@ -150,17 +147,6 @@ def _set_target_backend(target: Any, backend: str | None) -> None:
     for module in target.modules():
         if isinstance(module, MLAttention):
             module.backend = backend
-
-
-def _load_any_target(path: Path, dtype: str):
-    """DeepSeek-V3 / Kimi-K2 configs load into the MLA target; other HF causal LMs through transformers."""
-    from dspark.config import read_json
-    from dspark.models.hf_target import HFTarget
-    from dspark.models.loading import torch_dtype
-
-    if read_json(path).get("model_type", "deepseek_v3") in ("deepseek_v3", "kimi_k2", "deepseek_v2"):
-        return load_target(path, dtype)
-    return HFTarget.load(path, torch_dtype(dtype))
 
 
 def _check_pair(spec: SpeculativeConfig | None, drafter: Any, draft_dir: Path | None) -> None:

@@ -34,13 +34,14 @@ DEFAULT_KV_SPACE_GIB = 1
 
 
 def load_hf_target(target_dir: str | Path, dtype: str) -> Any:
-    """transformers' DeepseekV3ForCausalLM on our target directory, quietly, with no default EOS/sampling config."""
+    """transformers' model class for our target directory (DeepseekV3ForCausalLM, LlamaForCausalLM, ...), quietly,
+    with no default EOS/sampling config."""
     import transformers
-    from transformers import DeepseekV3ForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    model = DeepseekV3ForCausalLM.from_pretrained(str(target_dir), dtype=torch_dtype(dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch_dtype(dtype)).eval()
     # transformers merges the model's generation_config into every call; keep EOS out of it so that
     # ignore_eos can turn stopping off (EOS is passed per call instead)
     model.generation_config = GenerationConfig(bos_token_id=model.config.bos_token_id)

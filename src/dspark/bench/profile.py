@@ -24,7 +24,7 @@ from dspark.config import DTYPES, CacheConfig, ConfigError, EngineConfig, Specul
 from dspark.engine.engine import Engine
 from dspark.engine.request import Request
 from dspark.models.drafter import DSparkDrafter
-from dspark.models.target import MLATarget
+from dspark.models.protocol import Target
 from dspark.sampling_params import SamplingParams
 from dspark.spec.schedule import SpsTable
 
@@ -79,7 +79,7 @@ def _time_once(step: Callable[[], object]) -> float:
 
 
 def _prefilled_engine(
-    target: MLATarget, drafter: DSparkDrafter | None, cfg: ProfileConfig
+    target: Target, drafter: DSparkDrafter | None, cfg: ProfileConfig
 ) -> tuple[Engine, list[Request]]:
     """An engine whose cache holds `context_len` random tokens for max(batch_sizes) requests."""
     n, ctx, L = max(cfg.batch_sizes), cfg.context_len, cfg.max_tokens_per_request
@@ -121,7 +121,7 @@ def _verify_step(engine: Engine, reqs: list[Request], tokens_per_request: int) -
 
 
 def profile_sps(
-    target: MLATarget,
+    target: Target,
     drafter: DSparkDrafter | None = None,
     cfg: ProfileConfig | None = None,
     progress: Callable[[str], None] | None = None,

@@ -2,7 +2,7 @@
 
 Target and drafter share one block table per request: the same page ids index the target's latent pool and
 the drafter's pool (which may live in a different tensor with a different width or dtype). This module only
-hands out page ids; the tensors live in `cache/latent.py`.
+hands out page ids; the tensors live in `cache/pool.py`.
 
 Rollback of rejected draft tokens is `set_length`: no copies, no frees. KV written beyond the length is
 simply overwritten by the next step. Preemption is `release` followed by recompute later.

@@ -15,14 +15,14 @@ from pathlib import Path
 import torch
 
 from dspark.cache.allocator import BlockManager, PageAllocator
-from dspark.cache.latent import PagedLatentPool
+from dspark.cache.pool import CachePools
 from dspark.config import CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
 from dspark.engine.metrics import EngineMetrics
 from dspark.engine.request import Request, Status
 from dspark.engine.runner import ModelRunner
 from dspark.engine.scheduler import PrefillChunk, Scheduler
 from dspark.models.drafter import DSparkDrafter
-from dspark.models.hf_target import HFTarget
+from dspark.models.protocol import Target
 from dspark.models.target import MLATarget
 from dspark.profiling import scope
 from dspark.sampling_params import SamplingParams
@@ -81,13 +81,15 @@ class AdaptivePolicy:
 class Engine:
     def __init__(
         self,
-        target: MLATarget | HFTarget,
+        target: Target,
         drafter: DSparkDrafter | None = None,
         speculative_config: SpeculativeConfig | None = None,
         engine_config: EngineConfig | None = None,
         cache_config: CacheConfig | None = None,
         tokenizer: HFTokenizer | ByteTokenizer | None = None,
         adaptive: AdaptivePolicy | None = None,
+        model_dir: Path | None = None,
+        draft_dir: Path | None = None,
     ) -> None:
         self.cfg = engine_config or EngineConfig()
         self.spec = speculative_config
@@ -106,19 +108,14 @@ class Engine:
         self.K = self.spec.num_speculative_tokens if self.spec else 0
         ccfg = cache_config or CacheConfig()
         num_pages = ccfg.num_pages or math.ceil(self.cfg.max_num_seqs * min(self.max_model_len, 4096) / ccfg.page_size)
-        paged_target = getattr(target, "paged", True)
-        n_layers = (target.num_layers if paged_target else 0) + (len(self.drafter.layers) if self.drafter else 0)
-        width = target.latent_dim if paged_target else (self.drafter.latent_dim if self.drafter else 1)
-        if self.drafter is not None and self.drafter.latent_dim != width:
-            raise ConfigError(
-                f"drafter latent width {self.drafter.latent_dim} != target latent width {width}: the unified "
-                "paged cache needs one page format (576-wide MLA latents for K3)"
-            )
+        self.model_dir, self.draft_dir = model_dir, draft_dir  # where the models came from (None: in memory)
+        dformat = self.drafter.page_format if self.drafter is not None else None
         dtype = next(target.parameters()).dtype
-        self.pool = PagedLatentPool(n_layers, num_pages, ccfg.page_size, width, dtype)
+        self.pools = CachePools.build(target.page_format, dformat, num_pages, ccfg.page_size, dtype)
+        self.pool = self.pools.target
         self.blocks = BlockManager(PageAllocator(num_pages, ccfg.page_size))
         self.scheduler = Scheduler(self.blocks, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, self.K + 1)
-        self.runner = ModelRunner(target, self.drafter, self.blocks, self.pool)
+        self.runner = ModelRunner(target, self.drafter, self.blocks, self.pools)
         self.metrics = EngineMetrics(log_interval_s=self.cfg.log_stats_interval_s)
         self.adaptive = adaptive
         self.requests: dict[str, Request] = {}
@@ -126,18 +123,9 @@ class Engine:
         self._updated: list[Request] = []
 
     # ---- request API ---------------------------------------------------------------------------------
-    def cache_report(self) -> dict[str, int]:
-        """Bytes per token of the unified latent pool: target MLA layers and drafter layers share the page."""
-        n_target = self.runner.draft_layer_offset
-        n_draft = self.pool.num_layers - n_target
-        return {
-            "latent_width": self.pool.width,
-            "page_size": self.pool.page_size,
-            "num_pages": self.pool.num_pages,
-            "target_bytes_per_token": self.pool.bytes_per_token(n_target),
-            "draft_bytes_per_token": self.pool.bytes_per_token(n_draft),
-            "pool_bytes": self.pool.pool.numel() * self.pool.pool.element_size(),
-        }
+    def cache_report(self) -> dict[str, int | str | bool]:
+        """Page formats and bytes per token of the target's and drafter's pages (one shared pool when equal)."""
+        return self.pools.report()
 
     @property
     def num_pages_free(self) -> int:

@@ -11,11 +11,10 @@ from dataclasses import dataclass
 import torch
 
 from dspark.cache.allocator import BlockManager
-from dspark.cache.latent import PagedLatentPool
+from dspark.cache.pool import CachePools
 from dspark.engine.request import Request
 from dspark.models.drafter import DSparkDrafter
-from dspark.models.hf_target import HFTarget
-from dspark.models.target import MLATarget
+from dspark.models.protocol import Target
 from dspark.profiling import scope
 from dspark.spec.propose import Proposal, SamplingTensors, draft_block, ngram_propose
 from dspark.spec.rng import round_counters
@@ -34,18 +33,18 @@ class Batch:
 class ModelRunner:
     def __init__(
         self,
-        target: MLATarget | HFTarget,
+        target: Target,
         drafter: DSparkDrafter | None,
         blocks: BlockManager,
-        pool: PagedLatentPool,
+        pools: CachePools,
     ) -> None:
         self.target = target
         self.drafter = drafter
         self.blocks = blocks
-        self.pool = pool
+        self.pool = pools.target  # every pool has the same pages: slots computed here index all of them
+        self.draft_pool = pools.draft
+        self.draft_layer_offset = pools.draft_layer_offset
         self.taps = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
-        # drafter layers follow the target's MLA layers in the pool (HF targets keep no pages there)
-        self.draft_layer_offset = target.num_layers if getattr(target, "paged", True) else 0
 
     # ---- batch building ------------------------------------------------------------------------------
     def _page_table(self, reqs: Sequence[Request]) -> torch.Tensor:
@@ -85,21 +84,17 @@ class ModelRunner:
         [B, 1, V] at each request's last new row (last_only) or [B, T, V] at every row."""
         with scope("step.metadata"):
             batch = self.build(reqs, starts, tokens)
-        if not getattr(self.target, "paged", True):  # HF target: recompute the committed prefix, no pages
-            seqs = [list(r.all_ids[:s]) + list(t) for r, s, t in zip(reqs, starts, tokens)]
-            logits, taps = self.target.forward_rows(seqs, starts, self.taps, last_only)
-        else:
-            store = self.pool.view(batch.write_slots, batch.read_slots)
-            rows = (batch.lengths - 1)[:, None] if last_only else None
-            with scope("target.forward"):
-                out = self.target(batch.ids, batch.positions, batch.mask, store, self.taps, logits_rows=rows)
-            logits, taps = out.logits, out.taps
-        if self.drafter is not None and taps is not None:
-            draft_store = self.pool.view(batch.write_slots, batch.read_slots, self.draft_layer_offset)
+        store = self.pool.view(batch.write_slots, batch.read_slots)
+        rows = (batch.lengths - 1)[:, None] if last_only else None
+        with scope("target.forward"):
+            out = self.target(batch.ids, batch.positions, batch.mask, store, self.taps, logits_rows=rows)
+        if self.drafter is not None and out.taps is not None:
+            assert self.draft_pool is not None
+            draft_store = self.draft_pool.view(batch.write_slots, batch.read_slots, self.draft_layer_offset)
             with scope("draft.context"):
-                self.drafter.inject_context(taps, batch.positions, draft_store)
-        assert logits is not None
-        return logits
+                self.drafter.inject_context(out.taps, batch.positions, draft_store)
+        assert out.logits is not None
+        return out.logits
 
     @torch.inference_mode()
     def propose_draft(
@@ -115,7 +110,8 @@ class ModelRunner:
             starts = [r.num_computed for r in reqs]
             anchors = torch.tensor([r.all_ids[s] for r, s in zip(reqs, starts)], dtype=torch.long)
             read = self.context_slots(reqs, starts)
-            context = self.pool.view(read[:, :0], read, self.draft_layer_offset)  # read only: no new rows
+            assert self.draft_pool is not None
+            context = self.draft_pool.view(read[:, :0], read, self.draft_layer_offset)  # read only: no new rows
             positions = torch.tensor(starts, dtype=torch.long)
         return draft_block(self.drafter, anchors, positions, context, sampling, probabilistic, use_markov, topk)
 

@@ -24,6 +24,7 @@ from dspark.config import DraftConfig
 from dspark.models.heads import ConfidenceHead, MarkovHead
 from dspark.models.layers import RMSNorm, SwiGLU, attention_bias, no_empty_rows
 from dspark.models.mla import LatentStore, MLAttention
+from dspark.models.protocol import PageFormat
 from dspark.models.rope import RotaryEmbedding, apply_rope
 from dspark.profiling import scope
 
@@ -176,6 +177,11 @@ class DSparkDrafter(nn.Module):
             assert cfg.num_key_value_heads is not None and cfg.head_dim is not None
             return 2 * cfg.num_key_value_heads * cfg.head_dim
         return cfg.mla.latent_dim
+
+    @property
+    def page_format(self) -> PageFormat:
+        """MLA latent rows, or [k | v] rows for the GQA backbone (shares the pool with a GQA target of equal width)."""
+        return PageFormat("gqa" if self.config.is_gqa else "mla", self.latent_dim, self.config.num_hidden_layers)
 
     # ---- forward -------------------------------------------------------------------------------------
     def fuse_context(self, taps: torch.Tensor) -> torch.Tensor:

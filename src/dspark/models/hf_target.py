@@ -1,14 +1,14 @@
-"""Any ``transformers`` causal LM as a target (Llama / Qwen3 class), behind the MLA target's interface.
+"""The fallback target: any ``transformers`` causal LM whose architecture has no native dspark family.
 
-HF targets keep no pages in the unified latent pool (their KV layout is not the 576-wide MLA latent): every
-forward recomputes the committed prefix in one batched pass (``paged = False``). Tap i is the raw output of
-decoder layer i (a forward hook), as on the MLA target and in DeepSpec's training cache; HF's last
-``hidden_states`` entry is post-norm. Correct and batched, but O(prefix) per step: use the MLA target for speed.
+Its page format is ``tokens``: the paged pool keeps each request's token ids, and every forward recomputes the
+visible prefix in one batched transformers pass (O(prefix) per step; the native families keep K/V pages). Tap i is
+the raw output of decoder layer i (a forward hook), as on the native targets and in DeepSpec's training cache; HF's
+last ``hidden_states`` entry is post-norm.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from dspark.config import ConfigError, read_json
+from dspark.models.protocol import CacheView, PageFormat, StateSpec, TargetOutput
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,7 @@ class HFTargetInfo:
 
 
 class HFTarget(nn.Module):
-    paged = False
-    latent_dim = None
+    """A transformers causal LM behind the ``Target`` protocol (token-id pages, prefix recompute)."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -53,22 +53,23 @@ class HFTarget(nn.Module):
         )
 
     @classmethod
-    def load(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> HFTarget:
+    def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, config: Mapping | None = None) -> HFTarget:
+        """``config``: the directory's config.json when the caller has read it already."""
         from transformers import AutoModelForCausalLM
 
-        d = read_json(path)
-        if "model_type" not in d:
+        config = read_json(path) if config is None else config
+        if "model_type" not in config:
             raise ConfigError(f"{path}/config.json: key 'model_type' is missing; is this an HF model directory?")
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
         return cls(model.eval())
 
     @property
-    def num_layers(self) -> int:
-        return self.config.num_hidden_layers
+    def page_format(self) -> PageFormat:
+        return PageFormat("tokens", 1, 1, torch.long)
 
     @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
+    def state_spec(self) -> StateSpec | None:
+        return None
 
     @property
     def embed_tokens(self) -> nn.Embedding:
@@ -82,41 +83,30 @@ class HFTarget(nn.Module):
         """Tap ``layer`` reads this module's raw output: decoder layer i, or the embedding for -1."""
         return self.model.get_input_embeddings() if layer == -1 else self.model.get_decoder().layers[layer]
 
-    def forward_rows(
+    def forward(
         self,
-        sequences: Sequence[Sequence[int]],
-        starts: Sequence[int],
-        tap_layers: Sequence[int],
-        last_only: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Full sequences (right-padded into one batch) → fp32 logits [B, T, V] of the rows start..end-1 (or
-        [B, 1, V] at the last row) and taps [B, T, m·D] of those rows (zeros in padding)."""
-        B = len(sequences)
-        S = max(len(s) for s in sequences)
-        ids = torch.zeros(B, S, dtype=torch.long)
-        attn = torch.zeros(B, S, dtype=torch.long)
-        for i, s in enumerate(sequences):
-            ids[i, : len(s)] = torch.tensor(list(s), dtype=torch.long)
-            attn[i, : len(s)] = 1
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        cache: CacheView | None,
+        tap_layers: Sequence[int] = (),
+        logits_rows: torch.Tensor | None = None,
+    ) -> TargetOutput:
+        """Store the new ids, read back each request's visible prefix (key s = position s), recompute it."""
+        prefix = input_ids if cache is None else cache.update(0, input_ids[..., None])[..., 0]  # [B, S]
+        valid = mask.any(1)  # [B, S]: keys visible to some row = the request's positions 0..end-1
         with _capture_outputs([self._tap_module(i) for i in tap_layers]) as captured:
-            out = self.model(input_ids=ids, attention_mask=attn)
-        logits = out.logits.float()
-        T = max(len(s) - st for s, st in zip(sequences, starts))
-        rows = torch.zeros(B, T, dtype=torch.long)
-        for i, (s, st) in enumerate(zip(sequences, starts)):
-            n = len(s) - st
-            rows[i, :n] = torch.arange(st, len(s))
-            rows[i, n:] = len(s) - 1
-        if last_only:
-            last = torch.tensor([len(s) - 1 for s in sequences])
-            picked = logits[torch.arange(B), last][:, None]
-        else:
-            picked = logits.gather(1, rows[..., None].expand(-1, -1, logits.shape[-1]))
+            out = self.model(input_ids=prefix.long() * valid, attention_mask=valid.long(), output_hidden_states=True)
+        at = positions[..., None]  # [B, T, 1]: the new rows in the recomputed sequence
+        hidden = out.hidden_states[-1].gather(1, at.expand(-1, -1, out.hidden_states[-1].shape[-1]))
+        logits = out.logits.float().gather(1, at.expand(-1, -1, out.logits.shape[-1]))
+        if logits_rows is not None:
+            logits = logits.gather(1, logits_rows[..., None].expand(-1, -1, logits.shape[-1]))
         taps = None
         if tap_layers:
             hs = torch.cat(captured, -1)
-            taps = hs.gather(1, rows[..., None].expand(-1, -1, hs.shape[-1]))
-        return picked, taps
+            taps = hs.gather(1, at.expand(-1, -1, hs.shape[-1]))
+        return TargetOutput(logits=logits, taps=taps, hidden=hidden)
 
 
 @contextmanager

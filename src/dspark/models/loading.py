@@ -1,19 +1,37 @@
-"""Build models from HF-style directories and save them back, with strict roster checks."""
+"""Build models from HF-style directories and save them back, with strict roster checks.
+
+One route for targets: ``load_target(dir)`` reads config.json once, picks the family from ``TARGET_FAMILIES`` by
+``model_type``, builds it and loads it strictly; architectures without a native family fall back to transformers.
+"""
 
 from __future__ import annotations
 
 import json
+import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from dspark.checkpoint.io import list_checkpoint_tensors, save_state_dict
 from dspark.checkpoint.roster import TensorSpec, load_module_strict, module_roster
-from dspark.config import ConfigError, DraftConfig, KimiLinearConfig, TargetConfig, read_json
+from dspark.config import (
+    GQA_MODEL_TYPES,
+    ConfigError,
+    DraftConfig,
+    GQATargetConfig,
+    KimiLinearConfig,
+    TargetConfig,
+    read_json,
+)
 from dspark.models.drafter import DSparkDrafter
+from dspark.models.hf_target import HFTarget
 from dspark.models.kimi_linear import HybridLayer, KimiLinearTarget, checkpoint_name
+from dspark.models.llama import LlamaTarget
+from dspark.models.protocol import Target
 from dspark.models.target import MLATarget, MoE
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -32,12 +50,16 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
 # --------------------------------------------------------------------------------------------------------
 
 
-def target_roster(cfg: TargetConfig) -> dict[str, TensorSpec]:
-    """Expected HF tensor names and shapes for a DeepSeek-V3 config, built on the meta device.
+def target_roster(cfg: TargetConfig | GQATargetConfig) -> dict[str, TensorSpec]:
+    """Expected HF tensor names and shapes for a DeepSeek-V3 (or Llama-family) config, built on the meta device.
 
     Layers of one kind (dense / MoE) have identical rosters, so one of each is built and its names are repeated
     for every layer index: a 61-layer Kimi-K2 roster (~70k tensors) takes about a second.
     """
+    if isinstance(cfg, GQATargetConfig):
+        with torch.device("meta"):
+            roster = module_roster(LlamaTarget(cfg))
+        return {k: v for k, v in roster.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
     kinds = sorted({cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)})
     sample = {kind: next(i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i) == kind) for kind in kinds}
     small = replace(cfg, num_hidden_layers=max(sample.values()) + 1)
@@ -64,19 +86,51 @@ def target_roster(cfg: TargetConfig) -> dict[str, TensorSpec]:
     return head | layers | tail
 
 
-def load_target(path: str | Path, dtype: str | torch.dtype = "float32") -> MLATarget:
-    """Load an HF DeepSeek-V3 / Kimi-K2 directory (config.json + safetensors, single or sharded)."""
-    cfg = TargetConfig.load(path)
+def load_target(path: str | Path, dtype: str | torch.dtype = "float32") -> Target:
+    """Load an HF model directory as a target: config.json read once, the family chosen by ``model_type``
+    (missing: DeepSeek-V3), strict load; unknown architectures go through transformers with one warning."""
+    path = Path(path)
+    d = read_json(path)
+    loader = TARGET_FAMILIES.get(d.get("model_type", "deepseek_v3"))
+    if loader is None:
+        warnings.warn(
+            f"{path}: model_type {d.get('model_type')!r} has no native dspark family; running it through "
+            "transformers (prefix recompute every step, slow)",
+            stacklevel=2,
+        )
+        return HFTarget.load(path, torch_dtype(dtype), d)
+    return loader(path, d, torch_dtype(dtype))
+
+
+def load_mla_target(path: Path, d: Mapping[str, Any], dtype: torch.dtype) -> MLATarget:
+    """A DeepSeek-V3 / Kimi-K2 directory (config.json + safetensors, single or sharded)."""
+    cfg = TargetConfig.from_dict(d, source=str(path / "config.json"))
     model = MLATarget(cfg)
     extra_ok = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
     load_module_strict(model, path, ignore_unexpected=("model.layers.*.mlp.experts.*.*_scale*",), extra_ok=extra_ok)
     # router weights and correction bias stay fp32 (as DeepSeek keeps them)
-    model.to(torch_dtype(dtype))
+    model.to(dtype)
     for layer in model.model.layers:
         gate = getattr(layer.mlp, "gate", None)
         if gate is not None:
             gate.float()
     return model.eval()
+
+
+def load_gqa_target(path: Path, d: Mapping[str, Any], dtype: torch.dtype) -> LlamaTarget:
+    """A Llama / Qwen2 / Qwen3 directory; HF's non-persistent rotary buffers of old checkpoints are ignored."""
+    cfg = GQATargetConfig.from_dict(d, source=str(path / "config.json"))
+    model = LlamaTarget(cfg)
+    tied = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
+    load_module_strict(model, path, ignore_unexpected=("*.rotary_emb.inv_freq",), extra_ok=tied)
+    return model.to(dtype).eval()
+
+
+TARGET_FAMILIES: dict[str, Callable[[Path, Mapping[str, Any], torch.dtype], Target]] = {
+    "deepseek_v3": load_mla_target,
+    "deepseek_v2": load_mla_target,
+    "kimi_k2": load_mla_target,
+} | dict.fromkeys(GQA_MODEL_TYPES, load_gqa_target)
 
 
 def save_target(model: MLATarget, path: str | Path, dtype: str | torch.dtype | None = None) -> None:
@@ -230,12 +284,15 @@ def save_drafter(
     (path / "config.json").write_text(json.dumps(d, indent=2))
 
 
-def read_config_any(path: str | Path) -> TargetConfig | DraftConfig | KimiLinearConfig:
-    """A config.json (or directory) as a TargetConfig, KimiLinearConfig or DraftConfig, by architecture/model_type."""
+def read_config_any(path: str | Path) -> TargetConfig | GQATargetConfig | DraftConfig | KimiLinearConfig:
+    """A config.json (or directory) as a TargetConfig, GQATargetConfig, KimiLinearConfig or DraftConfig, by
+    architecture/model_type."""
     d = read_json(path)
     if d.get("model_type") == "kimi_linear":
         return KimiLinearConfig.from_dict(d, source=str(path))
     archs = d.get("architectures") or []
     if d.get("model_type") == "k3_dspark" or any(a.endswith("DSparkModel") for a in archs):
         return DraftConfig.from_dict(d, source=str(path))
+    if d.get("model_type") in GQA_MODEL_TYPES:
+        return GQATargetConfig.from_dict(d, source=str(path))
     return TargetConfig.from_dict(d, source=str(path))

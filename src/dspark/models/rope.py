@@ -1,4 +1,5 @@
-"""Rotary position embedding with DeepSeek YaRN, on interleaved (GPT-J style) pairs.
+"""Rotary position embedding: default, linear, llama3 and YaRN (DeepSeek / HF) frequencies, on interleaved (GPT-J
+style) or rotate-half (NeoX / Llama) pairs.
 
 Reference: k3-mla-architecture.md §4. The softmax-scale part of YaRN (mscale²) lives in
 ``config.attention_scale``; this module gives the frequencies and the cos/sin magnitude.
@@ -20,17 +21,38 @@ def correction_dim(num_rotations: float, dim: int, base: float, original_len: in
 
 
 def yarn_correction_range(rope: RopeConfig) -> tuple[float, float]:
-    """(low, high) pair indices of the linear ramp: floor/ceil of the beta_fast/beta_slow dims, clamped."""
+    """(low, high) pair indices of the linear ramp: floor/ceil (unless truncate is off) of the beta_fast/beta_slow
+    dims, clamped."""
     assert rope.original_max_position_embeddings is not None
-    low = math.floor(correction_dim(rope.beta_fast, rope.dim, rope.theta, rope.original_max_position_embeddings))
-    high = math.ceil(correction_dim(rope.beta_slow, rope.dim, rope.theta, rope.original_max_position_embeddings))
+    low = correction_dim(rope.beta_fast, rope.dim, rope.theta, rope.original_max_position_embeddings)
+    high = correction_dim(rope.beta_slow, rope.dim, rope.theta, rope.original_max_position_embeddings)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
     return max(low, 0), min(high, rope.dim - 1)
 
 
+def llama3_frequencies(inv: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    """Llama 3.1: long wavelengths (beyond original_len / low_freq_factor) divided by factor, short ones (below
+    original_len / high_freq_factor) kept, a smooth blend between."""
+    assert rope.original_max_position_embeddings is not None
+    orig = rope.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv
+    smooth = (orig / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    blended = (1 - smooth) * inv / rope.factor + smooth * inv
+    out = torch.where(wavelen > orig / rope.low_freq_factor, inv / rope.factor, inv)
+    medium = (wavelen >= orig / rope.high_freq_factor) & (wavelen <= orig / rope.low_freq_factor)
+    return torch.where(medium, blended, out)
+
+
 def inv_frequencies(rope: RopeConfig) -> torch.Tensor:
-    """[R/2] fp32 inverse frequencies; YaRN blends extrapolated and interpolated ones with a linear ramp."""
+    """[R/2] fp32 inverse frequencies; linear divides by factor, llama3 rescales by wavelength, YaRN blends
+    extrapolated and interpolated ones with a linear ramp."""
     exponents = torch.arange(0, rope.dim, 2, dtype=torch.float32) / rope.dim
     inv_extra = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "linear":
+        return inv_extra / rope.factor
+    if rope.rope_type == "llama3":
+        return llama3_frequencies(inv_extra, rope)
     if rope.rope_type != "yarn":
         return inv_extra
     inv_inter = inv_extra / rope.factor
@@ -46,6 +68,8 @@ def cos_sin_magnitude(rope: RopeConfig) -> float:
     """YaRN multiplies cos/sin by mscale(f, mscale)/mscale(f, mscale_all_dim) (1.0 for the K3 draft)."""
     if rope.rope_type != "yarn":
         return 1.0
+    if rope.attention_factor is not None:
+        return float(rope.attention_factor)
     if rope.mscale and rope.mscale_all_dim:
         return yarn_get_mscale(rope.factor, rope.mscale) / yarn_get_mscale(rope.factor, rope.mscale_all_dim)
     return yarn_get_mscale(rope.factor, 1.0)

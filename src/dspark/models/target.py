@@ -9,7 +9,6 @@ post-norm state.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,15 +17,9 @@ from torch import nn
 from dspark.config import TargetConfig
 from dspark.models.layers import RMSNorm, SwiGLU, attention_bias, causal_mask, no_empty_rows
 from dspark.models.mla import LatentStore, MLAttention
+from dspark.models.protocol import PageFormat, StateSpec, TargetOutput
 from dspark.models.rope import RotaryEmbedding
 from dspark.profiling import scope
-
-
-@dataclass(frozen=True)
-class TargetOutput:
-    logits: torch.Tensor | None  # [B, N, V] fp32 at the requested rows
-    taps: torch.Tensor | None  # [B, T, m·D] concatenated outputs of the tapped layers
-    hidden: torch.Tensor  # [B, T, D] final post-norm hidden state
 
 
 class MoEGate(nn.Module):
@@ -208,14 +201,18 @@ class MLATarget(nn.Module):
             for layer in self.model.layers:
                 layer.mlp.fuse()
 
-    # interface shared with HFTarget ----------------------------------------------------------------
+    # the Target protocol ---------------------------------------------------------------------------
+    @property
+    def page_format(self) -> PageFormat:
+        return PageFormat("mla", self.config.mla.latent_dim, self.config.num_hidden_layers)
+
+    @property
+    def state_spec(self) -> StateSpec | None:
+        return None
+
     @property
     def num_layers(self) -> int:
         return self.config.num_hidden_layers
-
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
 
     @property
     def latent_dim(self) -> int:

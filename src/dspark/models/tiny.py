@@ -8,8 +8,9 @@ from pathlib import Path
 
 import torch
 
-from dspark.config import RANDOM_WEIGHTS_KEY, DraftConfig, RopeConfig, TargetConfig
+from dspark.config import RANDOM_WEIGHTS_KEY, DraftConfig, GQATargetConfig, RopeConfig, TargetConfig
 from dspark.models.drafter import DSparkDrafter
+from dspark.models.llama import LlamaTarget
 from dspark.models.target import MLATarget
 
 
@@ -143,3 +144,69 @@ def mark_random_weights(model_dir: str | Path) -> None:
     file (a byte tokenizer stands in; the doctor refuses any other target without tokenizer.json)."""
     p = Path(model_dir) / "config.json"
     p.write_text(json.dumps(json.loads(p.read_text()) | {RANDOM_WEIGHTS_KEY: True}, indent=2))
+
+
+# ---- GQA (Llama / Qwen2 / Qwen3) pairs with DeepSpec-style Qwen3DSpark drafters --------------------------------
+
+
+def tiny_gqa_config(model_type: str = "llama", vocab_size: int = 96, num_layers: int = 4) -> GQATargetConfig:
+    """4 query heads over 2 KV heads of 8: pages of 2·2·8 = 32 values per token per layer."""
+    return GQATargetConfig.from_dict(
+        {
+            "model_type": model_type,
+            "vocab_size": vocab_size,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": num_layers,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 8,
+            "max_position_embeddings": 512,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": model_type == "llama",
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+        }
+    )
+
+
+def tiny_gqa_draft_config(
+    target: GQATargetConfig, share_pages: bool = True, markov_rank: int = 8, block_size: int | None = None
+) -> DraftConfig:
+    """A Qwen3DSparkModel drafter; with ``share_pages`` it has the target's KV geometry (one shared pool)."""
+    return DraftConfig.from_dict(
+        {
+            "architectures": ["Qwen3DSparkModel"],
+            "model_type": "qwen3",
+            "hidden_size": target.hidden_size,
+            "intermediate_size": 48,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": target.num_key_value_heads if share_pages else 1,
+            "head_dim": target.head_dim,
+            "vocab_size": target.vocab_size,
+            "rope_theta": target.rope.theta,
+            "max_position_embeddings": target.max_position_embeddings,
+            "num_target_layers": target.num_hidden_layers,
+            "target_layer_ids": sorted({0, max(target.num_hidden_layers - 2, 0)}),
+            "block_size": block_size,
+            "mask_token_id": 3,
+            "markov_rank": markov_rank,
+            "enable_confidence_head": True,
+            "torch_dtype": "float32",
+        }
+    )
+
+
+def build_tiny_gqa_pair(
+    seed: int = 0, target_cfg: GQATargetConfig | None = None, draft_cfg: DraftConfig | None = None
+) -> tuple[LlamaTarget, DSparkDrafter]:
+    tcfg = target_cfg or tiny_gqa_config()
+    target = LlamaTarget(tcfg)
+    randomize_(target, seed)
+    with torch.no_grad():  # peaked distributions, as in build_tiny_pair
+        target.lm_head.weight.mul_(4.0)
+    drafter = DSparkDrafter(draft_cfg or tiny_gqa_draft_config(tcfg))
+    randomize_(drafter, seed + 1)
+    drafter.attach(target.embed_tokens, target.lm_head)
+    return target.eval(), drafter.eval()

@@ -302,7 +302,7 @@ class ServerState:
         self.async_engine.on_outputs = self.metrics.record
 
     def check_model(self, model: str | None) -> None:
-        root = str(getattr(self.engine, "model_dir", ""))
+        root = str(self.engine.model_dir or "")
         if model is not None and model not in (self.model_name, root):
             raise APIError(
                 404,
@@ -333,7 +333,7 @@ class ServerState:
 
 
 def default_model_name(engine: Engine) -> str:
-    d = getattr(engine, "model_dir", None)
+    d = engine.model_dir
     return d.name if d is not None else "dspark"
 
 
@@ -575,7 +575,7 @@ def create_app(engine: Engine, api_key: str | None = None, model_name: str | Non
     # ---- other routes --------------------------------------------------------------------------------------
     @app.get("/v1/models")
     async def models() -> ModelList:
-        root = getattr(engine, "model_dir", None)
+        root = engine.model_dir
         card = ModelCard(id=state.model_name, root=str(root) if root else None, max_model_len=engine.max_model_len)
         return ModelList(data=[card])
 

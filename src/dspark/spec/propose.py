@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dspark.cache.latent import BatchStore
+from dspark.cache.pool import BatchStore
 from dspark.models.drafter import DSparkDrafter
 from dspark.profiling import scope
 from dspark.spec.rng import Stream, uniforms

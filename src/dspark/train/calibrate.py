@@ -174,7 +174,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         "num_prompts": len(prompts),
         "temperature": args.temperature,
         "n_bins": args.bins,
-        "draft": str(getattr(engine, "draft_dir", None)),
+        "draft": str(engine.draft_dir),
         "per_position": [{k: (None if v != v else v) for k, v in r.items()} for r in report],  # NaN -> null
     }
     save_sts(args.output, temps, extra)
@@ -184,7 +184,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.plot:
         plot_reliability(args.plot, data, temps, report, args.bins)
         print(f"wrote {args.plot}")
-    draft_dir = getattr(engine, "draft_dir", None)
+    draft_dir = engine.draft_dir
     print(
         f"wrote {args.output}: sts_temperatures = [{', '.join(f'{t:.3f}' for t in temps)}]\n"
         f"to use it: copy it to {draft_dir}/sts_calibration.json, or pass "

@@ -62,13 +62,14 @@ def add_draft_data(sub: argparse._SubParsersAction) -> None:
 def cmd_prepare_features(args: argparse.Namespace) -> int:
     import torch
 
+    from dspark.checkpoint.resolve import resolve_model_ref
     from dspark.models.loading import load_target
     from dspark.train.features import prepare_features
     from dspark.train.regenerate import TRAIN_FILE, VALIDATION_FILE, DraftDataset
     from dspark.train.trainer import spread_taps
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    target = load_target(args.target_dir, "float32")
+    target = load_target(resolve_model_ref(args.target_dir, role="prepare-features --target"), "float32")
     taps = args.taps or spread_taps(target.config.num_hidden_layers, args.num_taps)
     data = Path(args.data_dir)
     out_root = Path(args.feature_dir) if args.feature_dir else data / "features"

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dspark.config import DraftConfig, TargetConfig
+from dspark.config import DraftConfig, GQATargetConfig, TargetConfig
 from dspark.models.drafter import DSparkDrafter
 from dspark.train.anchors import block_inputs, block_positions, block_targets, block_visibility, sample_anchors
 from dspark.train.features import FeatureCache, Features, target_features, target_logits_at
@@ -69,7 +69,7 @@ def spread_taps(num_layers: int, num_taps: int) -> tuple[int, ...]:
 
 
 def draft_config_for(
-    target: TargetConfig,
+    target: TargetConfig | GQATargetConfig,
     num_layers: int = 2,
     markov_rank: int = 96,
     markov_head_type: str = "vanilla",
@@ -80,16 +80,34 @@ def draft_config_for(
     mask_token_id: int = MASK_ID,
     intermediate_size: int | None = None,
 ) -> DraftConfig:
-    """A k3_dspark drafter for ``target``: its hidden size, MLA widths (so both share one latent page
-    format), RoPE/YaRN and special ids; ``num_layers`` layers; taps spread over the target depth."""
+    """A drafter for ``target`` that shares its page format: k3_dspark (MLA widths) for an MLA target, DeepSpec's
+    Qwen3DSparkModel (the target's KV heads and head_dim) for a GQA target; its hidden size, RoPE and special ids;
+    ``num_layers`` layers; taps spread over the target depth."""
     tap_ids = tuple(taps) if taps is not None else spread_taps(target.num_hidden_layers, num_taps)
     if tap_ids and tap_ids[-1] >= target.num_hidden_layers - 1 and target.num_hidden_layers > 1:
         raise ValueError(
             f"target_layer_ids {list(tap_ids)} include the target's last layer {target.num_hidden_layers - 1}; "
             "its output is the pre-norm final state the drafter must not see — pick earlier layers"
         )
+    if isinstance(target, GQATargetConfig):
+        geometry: dict[str, Any] = {
+            "architecture": "Qwen3DSparkModel",
+            "num_key_value_heads": target.num_key_value_heads,
+            "head_dim": target.head_dim,
+        }
+    else:
+        geometry = {
+            "architecture": "K3DSparkModel",
+            "q_lora_rank": target.q_lora_rank,
+            "kv_lora_rank": target.kv_lora_rank,
+            "qk_nope_head_dim": target.qk_nope_head_dim,
+            "qk_rope_head_dim": target.qk_rope_head_dim,
+            "v_head_dim": target.v_head_dim,
+            "mla_use_nope": target.mla_use_nope,
+            "mla_use_output_gate": target.mla_use_output_gate,
+        }
     return DraftConfig(
-        architecture="K3DSparkModel",
+        **geometry,
         hidden_size=target.hidden_size,
         intermediate_size=intermediate_size or target.intermediate_size,
         num_hidden_layers=num_layers,
@@ -101,13 +119,6 @@ def draft_config_for(
         mask_token_id=mask_token_id,
         rope=target.rope,
         max_position_embeddings=target.max_position_embeddings,
-        q_lora_rank=target.q_lora_rank,
-        kv_lora_rank=target.kv_lora_rank,
-        qk_nope_head_dim=target.qk_nope_head_dim,
-        qk_rope_head_dim=target.qk_rope_head_dim,
-        v_head_dim=target.v_head_dim,
-        mla_use_nope=target.mla_use_nope,
-        mla_use_output_gate=target.mla_use_output_gate,
         markov_rank=markov_rank,
         markov_head_type=markov_head_type,
         enable_confidence_head=confidence,
@@ -217,7 +228,7 @@ class DraftTrainConfig:
         conf = self.confidence_weight if self.confidence_head else 0.0
         return LossWeights(ce=self.ce_weight, l1=self.l1_weight, confidence=conf, decay_gamma=self.decay_gamma)
 
-    def draft_config(self, target: TargetConfig) -> DraftConfig:
+    def draft_config(self, target: TargetConfig | GQATargetConfig) -> DraftConfig:
         return draft_config_for(
             target,
             num_layers=self.num_layers,
@@ -878,13 +889,14 @@ def train_draft(
 
 
 def _run(cfg, resume, target, train_data, val_data, dist_info: Dist) -> DraftTrainResult:
+    from dspark.checkpoint.resolve import resolve_model_ref
     from dspark.models.loading import load_target
 
     ckpt = checkpoint_path(cfg.out_dir)
     if not resume and ckpt.exists():
         raise FileExistsError(f"{ckpt} exists; pass --resume to continue it, or choose a new --out-dir")
     if target is None:
-        target = load_target(cfg.target_dir, "float32")
+        target = load_target(resolve_model_ref(cfg.target_dir, role="train-draft --target"), "float32")
     if train_data is None:
         train_data, val_data = load_datasets(cfg.data_dir)
     trainer = DraftTrainer(cfg, target, train_data, val_data, dist_info)

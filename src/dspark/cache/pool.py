@@ -1,0 +1,121 @@
+"""Paged KV storage: pools of per-token rows in one page format each, indexed by one block table per request.
+
+A pool is ``[num_layers, num_slots, W]`` in one ``PageFormat`` (MLA: the (kv_lora_rank + rope dim)-wide latent;
+GQA: [k | v] of every KV head; the recompute fallback: token ids). When the drafter's page format equals the
+target's, its layers follow the target's in the same pool (layers 0..L_t-1 target, L_t.. drafter); otherwise it
+gets a second pool with the same pages. Either way a request owns pages (via the pure-Python allocator) and slot
+``page * page_size + offset`` holds position ``page_index * page_size + offset`` in every layer of every pool, so
+target and drafter share one block table. The last page is a scratch page that absorbs the writes of padding rows.
+Rollback is setting a request's length: stale rows are overwritten later and masked until then.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dspark.models.protocol import PageFormat
+
+
+@dataclass(frozen=True)
+class BatchStore:
+    """A per-forward view of a pool (a ``CacheView``): where to write the new rows and which rows to read."""
+
+    pool: torch.Tensor  # [L, N_slots, W]
+    write_slots: torch.Tensor  # [B, T] flat slot per new row (padding rows → scratch slots)
+    read_slots: torch.Tensor  # [B, S] flat slot per visible key position (padding → any slot, masked)
+    layer_offset: int = 0
+
+    def write(self, layer: int, rows: torch.Tensor) -> None:
+        """Store rows [B, T, W] at the write slots of ``layer``."""
+        cache = self.pool[self.layer_offset + layer]
+        cache.index_copy_(0, self.write_slots.reshape(-1), rows.reshape(-1, rows.shape[-1]).to(cache.dtype))
+
+    def read(self, layer: int) -> torch.Tensor:
+        """The rows at the read slots of ``layer``: [B, S, W]."""
+        return self.pool[self.layer_offset + layer][self.read_slots]
+
+    def update(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """rows [B, T, W] → keys [B, S, W] after writing the new rows."""
+        self.write(layer, rows)
+        return self.read(layer)
+
+
+class PagedPool:
+    """The tensor side of the paged cache (the allocator/block tables are in ``allocator.py``)."""
+
+    def __init__(
+        self, num_layers: int, num_pages: int, page_size: int, width: int, dtype: torch.dtype = torch.bfloat16
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_pages = num_pages  # usable pages; one extra scratch page follows them
+        self.page_size = page_size
+        self.width = width
+        self.dtype = dtype
+        self.pool = torch.zeros(num_layers, (num_pages + 1) * page_size, width, dtype=dtype)
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.num_pages * self.page_size
+
+    def bytes_per_token(self, num_layers: int | None = None) -> int:
+        n = self.num_layers if num_layers is None else num_layers
+        return n * self.width * self.pool.element_size()
+
+    def view(self, write_slots: torch.Tensor, read_slots: torch.Tensor, layer_offset: int = 0) -> BatchStore:
+        return BatchStore(self.pool, write_slots, read_slots, layer_offset)
+
+
+@dataclass(frozen=True)
+class CachePools:
+    """The target's pool and the drafter's (the same object when their page formats match)."""
+
+    target: PagedPool
+    draft: PagedPool | None
+    draft_layer_offset: int  # first drafter layer in ``draft`` (L_t when shared, else 0)
+    target_format: PageFormat
+    draft_format: PageFormat | None
+
+    @property
+    def shared(self) -> bool:
+        return self.draft is self.target
+
+    @classmethod
+    def build(
+        cls,
+        target: PageFormat,
+        draft: PageFormat | None,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+    ) -> CachePools:
+        """One pool when ``draft`` is compatible with ``target`` (drafter layers after the target's), else two
+        pools with the same pages. ``dtype`` applies to formats that leave it open."""
+        shared = draft is not None and draft.compatible(target)
+        n_target = target.num_layers + (draft.num_layers if shared and draft else 0)
+        tpool = PagedPool(n_target, num_pages, page_size, target.width, target.dtype or dtype)
+        if draft is None:
+            return cls(tpool, None, 0, target, None)
+        if shared:
+            return cls(tpool, tpool, target.num_layers, target, draft)
+        dpool = PagedPool(draft.num_layers, num_pages, page_size, draft.width, draft.dtype or dtype)
+        return cls(tpool, dpool, 0, target, draft)
+
+    def report(self) -> dict[str, int | str | bool]:
+        """Bytes per token of each model's pages (the K3 pair shares 576-wide latent pages)."""
+        n_draft = self.draft_format.num_layers if self.draft_format else 0
+        draft_bpt = self.draft.bytes_per_token(n_draft) if self.draft is not None else 0
+        pools = [self.target] if self.draft is None or self.shared else [self.target, self.draft]
+        return {
+            "target_page_kind": self.target_format.kind,
+            "target_width": self.target.width,
+            "draft_page_kind": self.draft_format.kind if self.draft_format else "",
+            "draft_width": self.draft.width if self.draft is not None else 0,
+            "shared_pool": self.shared,
+            "page_size": self.target.page_size,
+            "num_pages": self.target.num_pages,
+            "target_bytes_per_token": self.target.bytes_per_token(self.target_format.num_layers),
+            "draft_bytes_per_token": draft_bpt,
+            "pool_bytes": sum(p.pool.numel() * p.pool.element_size() for p in pools),
+        }

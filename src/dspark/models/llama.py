@@ -1,0 +1,157 @@
+"""The GQA target family: Llama, Qwen2 and Qwen3 decoders over paged K/V rows.
+
+Parameter names equal HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` names
+(``model.layers.{i}.self_attn.q_proj.weight``, ``model.layers.{i}.mlp.gate_proj.weight``, ...), so HF checkpoints
+load without renaming. One page row per token per layer holds ``[rope(k) | v]`` of every KV head
+(2·n_kv·head_dim values; 384 for SmolLM2), the same layout as DeepSpec's GQA drafters, so a drafter with the
+target's KV geometry shares the pool. Taps: layer i's raw output (HF ``hidden_states[i+1]``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.config import GQATargetConfig
+from dspark.models.layers import RMSNorm, causal_mask, no_empty_rows
+from dspark.models.protocol import CacheView, PageFormat, StateSpec, TargetOutput
+from dspark.models.rope import RotaryEmbedding, apply_rope
+
+
+class GQAttention(nn.Module):
+    """Grouped-query attention (H query heads share n_kv K/V heads); Qwen3 adds RMSNorm over q and k heads."""
+
+    def __init__(self, cfg: GQATargetConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        D, hd = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(D, self.num_heads * hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(D, self.num_kv * hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(D, self.num_kv * hd, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * hd, D, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = hd**-0.5
+
+    def kv_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D] → page rows [B, T, 2·n_kv·hd] = [rope(k) | v]."""
+        B, T, _ = x.shape
+        k = self.k_proj(x).view(B, T, self.num_kv, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        k = apply_rope(k, cos[:, :, None], sin[:, :, None], interleave=False)
+        return torch.cat((k.flatten(2), self.v_proj(x)), -1)
+
+    def forward(self, x, cos, sin, mask: torch.Tensor, cache: CacheView | None) -> torch.Tensor:
+        """x [B, T, D]; cos/sin [B, T, hd/2]; mask [B, T, S] over the keys the cache returns → [B, T, D]."""
+        B, T, _ = x.shape
+        rows = self.kv_rows(x, cos, sin)
+        kv = rows if cache is None else cache.update(self.layer_idx, rows)
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = apply_rope(q, cos[:, :, None], sin[:, :, None], interleave=False).transpose(1, 2)  # [B, H, T, hd]
+        S = kv.shape[1]
+        k, v = kv.to(q.dtype).view(B, S, 2, self.num_kv, self.head_dim).unbind(2)  # [B, S, n_kv, hd] each
+        out = F.scaled_dot_product_attention(
+            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], scale=self.scale, enable_gqa=True
+        )
+        return self.o_proj(out.transpose(1, 2).flatten(2))
+
+
+class MLP(nn.Module):
+    """down_proj(silu(gate_proj(x)) · up_proj(x)), with Llama's optional biases."""
+
+    def __init__(self, cfg: GQATargetConfig) -> None:
+        super().__init__()
+        D, F_, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = nn.Linear(D, F_, bias=bias)
+        self.up_proj = nn.Linear(D, F_, bias=bias)
+        self.down_proj = nn.Linear(F_, D, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: GQATargetConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = GQAttention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h, cos, sin, mask, cache: CacheView | None) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class _Backbone(nn.Module):
+    def __init__(self, cfg: GQATargetConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaTarget(nn.Module):
+    """Llama / Qwen2 / Qwen3 decoder over a batch of sequences with a paged K/V cache (a ``Target``)."""
+
+    def __init__(self, cfg: GQATargetConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = _Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg.rope)
+
+    @property
+    def page_format(self) -> PageFormat:
+        cfg = self.config
+        return PageFormat("gqa", 2 * cfg.num_key_value_heads * cfg.head_dim, cfg.num_hidden_layers)
+
+    @property
+    def state_spec(self) -> StateSpec | None:
+        return None
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        cache: CacheView | None = None,
+        tap_layers: Sequence[int] = (),
+        logits_rows: torch.Tensor | None = None,
+        absorbed: bool = True,
+        compute_logits: bool = True,
+    ) -> TargetOutput:
+        """input_ids [B, T]; positions [B, T] (default 0..T-1); mask [B, T, S] bool (default causal, S = T);
+        logits_rows [B, N] row indices into T (default all rows). ``absorbed`` selects MLA's attention form in the
+        training code that drives every family alike; GQA has one form and ignores it."""
+        B, T = input_ids.shape
+        if positions is None:
+            positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        mask = no_empty_rows(causal_mask(positions, positions) if mask is None else mask)
+        cos, sin = self.rotary.cos_sin(positions)
+        h = self.model.embed_tokens(input_ids)
+        wanted = set(tap_layers)
+        taps = [h] if -1 in wanted else []
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, mask, cache)
+            if i in wanted:
+                taps.append(h)
+        h = self.model.norm(h)
+        logits = None
+        if compute_logits:
+            rows = h if logits_rows is None else h.gather(1, logits_rows[..., None].expand(-1, -1, h.shape[-1]))
+            logits = self.lm_head(rows).float()
+        return TargetOutput(logits=logits, taps=torch.cat(taps, -1) if taps else None, hidden=h)
