@@ -1,7 +1,9 @@
 """The speed tooling: profiler scopes, the `dspark profile --breakdown` table, measured thread defaults."""
 
+import dataclasses
 import json
 
+import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -11,7 +13,9 @@ from dspark.cli import main
 from dspark.config import EngineConfig, SpeculativeConfig
 from dspark.engine.engine import Engine
 from dspark.engine.metrics import DecodeTimes, tau_bound
-from dspark.models.tiny import build_tiny_pair, write_tiny_pair
+from dspark.models.llama import LlamaTarget
+from dspark.models.target import MoE, grouped_experts
+from dspark.models.tiny import build_tiny_pair, randomize_, tiny_gqa_config, write_tiny_pair
 from dspark.sampling_params import SamplingParams
 
 
@@ -104,3 +108,67 @@ def test_engine_times_every_decode_step():
     d = eng.metrics.decode
     assert d.steps == eng.metrics.spec.num_steps > 0
     assert 0 < d.propose_s and 0 < d.verify_s and d.propose_s + d.verify_s <= d.total_s
+
+
+# ---- the fast inference paths are the reference paths, bit for bit in fp32 ----
+
+
+def _logits(model, ids):
+    with torch.inference_mode():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("family", ["mla", "llama", "llama-bias"])
+def test_fused_weights_give_bit_identical_fp32_logits(family):
+    if family == "mla":
+        target, _ = build_tiny_pair(3)
+    else:
+        cfg = tiny_gqa_config("llama")
+        if family == "llama-bias":
+            cfg = dataclasses.replace(cfg, mlp_bias=True)
+        target = LlamaTarget(cfg)
+        randomize_(target, 3)
+    target = target.float()
+    ids = torch.randint(4, target.config.vocab_size, (3, 11), generator=torch.Generator().manual_seed(0))
+    ref = _logits(target, ids)
+    target.fuse_for_inference()
+    assert torch.equal(_logits(target, ids), ref)
+    target.fuse_for_inference()  # idempotent
+    assert torch.equal(_logits(target, ids), ref)
+    with torch.no_grad():  # the fused tensors track in-place weight updates (load_state_dict copies into views)
+        mlp = target.model.layers[0].mlp
+        mlp.up_proj.weight.mul_(1.5)
+        assert mlp.fused_gate_up() is not None
+        fused = _logits(target, ids)
+        mlp.up_proj.weight = torch.nn.Parameter(mlp.up_proj.weight.clone())  # re-assigned: falls back, same values
+        assert mlp.fused_gate_up() is None and torch.equal(_logits(target, ids), fused)
+
+
+def test_grouped_moe_equals_the_per_expert_loop():
+    target, _ = build_tiny_pair(5)
+    target = target.float()
+    moe = next(layer.mlp for layer in target.model.layers if isinstance(layer.mlp, MoE))
+    x = torch.randn(37, target.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        idx, w = moe.gate(x)
+        ref = moe._routed_loop(x, idx, w)
+        target.fuse_for_inference()
+        out = grouped_experts(x, idx, w, *moe.stacked_experts())
+    assert torch.equal(out, ref)
+    assert len(idx.unique()) > 1
+    with torch.enable_grad():
+        assert moe.stacked_experts() is None  # training keeps the reference path
+
+
+def test_absorbed_mla_weight_cache_follows_the_weights():
+    target, _ = build_tiny_pair(2)
+    target = target.float()
+    attn = target.model.layers[0].self_attn
+    ids = torch.randint(4, target.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    before = _logits(target, ids)
+    with torch.no_grad():
+        attn.kv_b_proj.weight.mul_(0.5)  # in place: the cached W_UV^T must be rebuilt
+    after = _logits(target, ids)
+    with torch.no_grad():
+        attn.kv_b_proj.weight.mul_(2.0)
+    assert not torch.equal(before, after) and torch.equal(_logits(target, ids), before)

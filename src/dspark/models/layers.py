@@ -21,19 +21,19 @@ class RMSNorm(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """down_proj(silu(gate_proj(x)) · up_proj(x))."""
+    """down_proj(silu(gate_proj(x)) · up_proj(x)) (biases optional, as Llama's mlp_bias)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.fused_gate_up()
         if gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)  # one GEMM for both projections
+        gate, up = F.linear(x, gate_up, self.__dict__.get("_gate_up_bias")).chunk(2, dim=-1)  # one GEMM for both
         # silu on a contiguous gate: the vectorised kernel, bit-identical to the unfused path
         return self.down_proj(F.silu(gate.contiguous()) * up)
 
@@ -51,6 +51,12 @@ class SwiGLU(nn.Module):
         for lin, part in ((self.gate_proj, gate_up[:inter]), (self.up_proj, gate_up[inter:])):
             lin.weight = nn.Parameter(part, requires_grad=lin.weight.requires_grad)
         self._gate_up = gate_up
+        if self.gate_proj.bias is not None:
+            with torch.no_grad():
+                bias = torch.cat((self.gate_proj.bias, self.up_proj.bias))
+            for lin, part in ((self.gate_proj, bias[:inter]), (self.up_proj, bias[inter:])):
+                lin.bias = nn.Parameter(part, requires_grad=lin.bias.requires_grad)
+            self._gate_up_bias = bias
 
     def fused_gate_up(self) -> torch.Tensor | None:
         """The fused [2I, D] weight while both projections still live in it (a .to() or a re-assigned weight
@@ -64,6 +70,13 @@ class SwiGLU(nn.Module):
         w1, w2 = self.gate_proj.weight, self.up_proj.weight
         if w1.data_ptr() != g.data_ptr() or w2.data_ptr() != g[w1.shape[0] :].data_ptr() or w1.dtype != g.dtype:
             return None
+        if self.gate_proj.bias is not None:
+            b = self.__dict__.get("_gate_up_bias")
+            b1, b2 = self.gate_proj.bias, self.up_proj.bias
+            if b is None or b1.data_ptr() != b.data_ptr() or b2.data_ptr() != b[b1.shape[0] :].data_ptr():
+                return None
+            if b1.dtype != b.dtype:
+                return None
         return g
 
 
