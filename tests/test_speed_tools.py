@@ -61,6 +61,7 @@ def test_breakdown_cli_reports_every_phase(tmp_path, capsys):
         "draft.backbone/attn.core",
         "step.accept",
         "wall step, unprofiled",
+        "CPU ms per token",
     ):
         assert f"| {row}" in out or f"| **{row}" in out, row
 

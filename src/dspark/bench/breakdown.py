@@ -48,9 +48,11 @@ class Breakdown:
     name: str
     wall_ms: float  # median unprofiled step
     wall_spread_ms: tuple[float, float]  # (min, max) unprofiled step
+    cpu_ms: float  # median process CPU time of an unprofiled step (robust to a busy machine)
     tokens_per_step: float
     profiled_ms: float  # mean profiled step
     scopes: dict[str, float]  # label -> exclusive ms per step
+    ops: dict[str, float]  # label -> torch ops per step
 
 
 def _label(name: str, ancestors: list[str]) -> str:
@@ -72,21 +74,33 @@ def _nearest_scoped(ev) -> list:
     return out
 
 
+def _scope_label(ev) -> str:
+    ancestors, p = [], ev.cpu_parent
+    while p is not None:
+        if p.name.startswith(PREFIX):
+            ancestors.append(p.name[len(PREFIX) :])
+        p = p.cpu_parent
+    return _label(ev.name[len(PREFIX) :], ancestors[::-1])
+
+
 def exclusive_scope_times(events) -> dict[str, float]:
     """Profiler events → {label: exclusive µs} summed over all occurrences."""
     totals: dict[str, float] = defaultdict(float)
     for ev in events:
-        if not ev.name.startswith(PREFIX):
-            continue
-        ancestors, p = [], ev.cpu_parent
-        while p is not None:
-            if p.name.startswith(PREFIX):
-                ancestors.append(p.name[len(PREFIX) :])
-            p = p.cpu_parent
-        ancestors.reverse()
-        inner = sum(c.cpu_time_total for c in _nearest_scoped(ev))
-        totals[_label(ev.name[len(PREFIX) :], ancestors)] += ev.cpu_time_total - inner
+        if ev.name.startswith(PREFIX):
+            inner = sum(c.cpu_time_total for c in _nearest_scoped(ev))
+            totals[_scope_label(ev)] += ev.cpu_time_total - inner
     return dict(totals)
+
+
+def scope_op_counts(events) -> dict[str, int]:
+    """Profiler events → {label: torch ops dispatched directly in the scope (not inside another op)}: the host
+    overhead in a number that does not depend on how busy the machine is."""
+    counts: dict[str, int] = defaultdict(int)
+    for ev in events:
+        if ev.name.startswith(PREFIX):
+            counts[_scope_label(ev)] += sum(1 for c in ev.cpu_children if not c.name.startswith(PREFIX))
+    return dict(counts)
 
 
 def _start(engine: Engine, prompts: Sequence[Sequence[int]], cfg: BreakdownConfig) -> list[str]:
@@ -105,11 +119,12 @@ def breakdown(name: str, engine: Engine, prompts: Sequence[Sequence[int]], cfg: 
         for _ in range(cfg.warmup):
             engine.step()
         tokens0 = engine.metrics.generation_tokens
-        walls = []
+        walls, cpus = [], []
         for _ in range(cfg.steps):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             engine.step()
             walls.append(time.perf_counter() - t0)
+            cpus.append(time.process_time() - c0)
         per_step = (engine.metrics.generation_tokens - tokens0) / cfg.steps
         with profile(activities=[ProfilerActivity.CPU]) as prof, recording():
             for _ in range(cfg.steps):
@@ -118,14 +133,18 @@ def breakdown(name: str, engine: Engine, prompts: Sequence[Sequence[int]], cfg: 
     for rid in ids:
         engine.abort(rid)
     engine.step()  # drain the aborted outputs
-    scopes = {k: v / 1e3 / cfg.steps for k, v in exclusive_scope_times(prof.events()).items()}
+    events = prof.events()
+    scopes = {k: v / 1e3 / cfg.steps for k, v in exclusive_scope_times(events).items()}
+    ops = {k: v / cfg.steps for k, v in scope_op_counts(events).items()}
     return Breakdown(
         name,
         statistics.median(walls) * 1e3,
         (min(walls) * 1e3, max(walls) * 1e3),
+        statistics.median(cpus) * 1e3,
         per_step,
         sum(scopes.values()),
         scopes,
+        ops,
     )
 
 
@@ -149,29 +168,28 @@ def _sort_key(label: str) -> tuple[int, str]:
 
 
 def format_breakdowns(results: Sequence[Breakdown]) -> str:
-    """One table: a row per scope (exclusive ms per step and share of the profiled step), one column pair per method."""
+    """One table: a row per scope (exclusive ms per step, share of the profiled step, torch ops per step), one
+    column triple per method; then the unprofiled wall and CPU time per step and per token."""
     labels = sorted({k for r in results for k in r.scopes}, key=_sort_key)
-    head = "| scope (exclusive) | " + " | ".join(f"{r.name} ms | {r.name} %" for r in results) + " |"
-    lines = [head, "|---" * (1 + 2 * len(results)) + "|"]
+    head = "| scope (exclusive) | " + " | ".join(f"{r.name} ms | % | ops" for r in results) + " |"
+    lines = [head, "|---" * (1 + 3 * len(results)) + "|"]
     for label in labels:
         shown = label if label != "step" else "step (unscoped Python)"
         cells = []
         for r in results:
-            v = r.scopes.get(label, 0.0)
-            cells.append(f"{v:.3f} | {100 * v / r.profiled_ms:.1f}" if r.profiled_ms > 0 else "– | –")
+            v, n = r.scopes.get(label, 0.0), r.ops.get(label, 0.0)
+            cells.append(f"{v:.3f} | {100 * v / r.profiled_ms:.1f} | {n:.0f}" if r.profiled_ms > 0 else "– | – | –")
         lines.append(f"| {shown} | " + " | ".join(cells) + " |")
-    lines.append("| **profiled step** | " + " | ".join(f"{r.profiled_ms:.2f} | 100" for r in results) + " |")
-    lines.append(
-        "| **wall step, unprofiled (median, min–max)** | "
-        + " | ".join(f"{r.wall_ms:.2f} | {r.wall_spread_ms[0]:.1f}–{r.wall_spread_ms[1]:.1f}" for r in results)
-        + " |"
+    summary = (
+        ("profiled step", lambda r: f"{r.profiled_ms:.2f} | 100 | {sum(r.ops.values()):.0f}"),
+        ("wall step, unprofiled (median)", lambda r: f"{r.wall_ms:.2f} | | "),
+        ("wall step, min–max", lambda r: f"{r.wall_spread_ms[0]:.1f}–{r.wall_spread_ms[1]:.1f} | | "),
+        ("CPU step, unprofiled (median)", lambda r: f"{r.cpu_ms:.2f} | | "),
+        ("tokens per step", lambda r: f"{r.tokens_per_step:.2f} | | "),
+        ("CPU ms per token", lambda r: f"{r.cpu_ms / max(r.tokens_per_step, 1e-9):.2f} | | "),
     )
-    lines.append("| tokens per step | " + " | ".join(f"{r.tokens_per_step:.2f} | " for r in results) + " |")
-    lines.append(
-        "| **wall ms per token** | "
-        + " | ".join(f"{r.wall_ms / max(r.tokens_per_step, 1e-9):.2f} | " for r in results)
-        + " |"
-    )
+    for title, cell in summary:
+        lines.append(f"| **{title}** | " + " | ".join(cell(r) for r in results) + " |")
     return "\n".join(lines)
 
 
