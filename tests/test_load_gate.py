@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dspark.cli import main
-from dspark.doctor import LOAD_CHECKS
+from dspark.doctor import LOAD_CHECKS, run_checks
 from dspark.doctor.gate import LoadRefused
 from dspark.llm import LLM, build_engines
 from dspark.models.tiny import write_tiny_pair
@@ -140,3 +140,16 @@ def test_finite_scan_is_one_pass_over_loaded_weights(pair, monkeypatch: pytest.M
     monkeypatch.setattr(torch, "isfinite", lambda t: calls.append(t.numel()) or real(t))
     build_engines(target, [spec(draft)], dtype="float32")
     assert calls  # one isfinite per loaded tensor
+
+
+def test_hf_target_missing_a_tensor_is_refused(tmp_path: Path):
+    """transformers would initialize the missing tensor at random and only warn; the doctor lists it."""
+    from test_hf_target import tiny_qwen3
+
+    target, draft = tiny_qwen3(tmp_path)
+    assert "target-roster" in run_checks(draft, target).passed  # transformers' roster was compared
+    state = load_file(target / "model.safetensors")
+    del state["model.layers.1.mlp.down_proj.weight"]
+    save_file(state, target / "model.safetensors", metadata={"format": "pt"})
+    msg = refused(target, spec(draft))
+    assert "[target-roster] missing tensor 'model.layers.1.mlp.down_proj.weight'" in msg

@@ -209,6 +209,25 @@ def test_online_and_offline_features_give_the_same_loss(target, tmp_path: Path) 
         FeatureCache(tmp_path / "features" / "train", data, (0, 1))
 
 
+def test_feature_cache_split_over_many_shards_reads_back_every_sample(target, tmp_path: Path) -> None:
+    data = tiny_dataset(6, seed=2)
+    taps = spread_taps(target.config.num_hidden_layers, 2)
+    res = prepare_features(
+        target, data, tmp_path / "f", taps, "float32", autocast=False, batch_tokens=80, max_shard_bytes=20_000
+    )
+    manifest = json.loads((tmp_path / "f" / "manifest.json").read_text())
+    assert len(manifest["shards"]) > 2 and res.num_samples == 6 and res.num_tokens == int(data.lengths().sum())
+    width = manifest["taps_width"] + manifest["hidden_width"]
+    assert res.bytes_written == res.num_tokens * width * 4
+    cache = FeatureCache(tmp_path / "f", data, taps)
+    for i in range(len(data)):
+        x, _ = data[i]
+        ref = target_features(target, torch.from_numpy(x)[None], taps, "float32", autocast=False)
+        t, h = cache.get(i)
+        torch.testing.assert_close(t, ref.taps[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(h, ref.hidden[0], rtol=1e-5, atol=1e-5)
+
+
 # a small lr: Adam's first step is lr·g/(|g|+eps), so near-zero gradients turn fp32 summation-order noise
 # (one batch of 4 vs two ranks of 2) into lr-sized parameter noise
 DDP_CFG = tiny_cfg(batch_size=4, lr=2e-4)

@@ -1003,29 +1003,54 @@ def check_markov_head(ctx: _Context) -> list[Problem]:
     return []
 
 
-def _target_roster_expected(raw: dict[str, Any], src: Path) -> dict[str, TensorSpec]:
-    """The MLA target's expected tensors (meta device); other families are checked by their own loader."""
-    mt = raw.get("model_type", "deepseek_v3")
-    if mt not in MLA_TARGET_TYPES:
-        raise _Skip(f"model_type {mt!r}: its tensors are checked by its loader (transformers / GGUF export)")
+def _mla_roster(raw: dict[str, Any], src: Path) -> dict[str, TensorSpec]:
     try:
         cfg = TargetConfig.from_dict(raw, source=str(src))
     except (ConfigError, TypeError, ValueError) as e:
         raise _Skip(f"the target config.json does not parse ({e})") from e
     from dspark.models.loading import target_roster
 
-    return target_roster(cfg)
+    roster = target_roster(cfg)
+    if raw.get("tie_word_embeddings"):
+        roster.pop("lm_head.weight", None)
+    return roster
+
+
+def _hf_roster(raw: dict[str, Any]) -> dict[str, TensorSpec]:
+    """The tensors transformers' model class for this config holds (built on the meta device)."""
+    import warnings
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dspark.checkpoint.roster import module_roster
+
+    mt = raw.get("model_type")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cfg = AutoConfig.for_model(mt, **{k: v for k, v in raw.items() if k != "model_type"})
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(cfg)
+    except Exception as e:  # transformers raises many types for configs it cannot build
+        raise _Skip(f"transformers cannot build model_type {mt!r} to list its tensors ({type(e).__name__})") from e
+    return module_roster(model)
 
 
 def check_target_roster(ctx: _Context) -> list[Problem]:
-    """Every tensor the target's config.json implies is in its checkpoint, with its shape (MLA targets)."""
+    """Every tensor the target's config.json implies is in its checkpoint, with its shape: our roster for MLA
+    targets (strict), transformers' model class for the others (missing / wrong shape; transformers would
+    otherwise initialize a missing tensor at random and only warn)."""
     raw = ctx.target()
     assert ctx.target_dir is not None
-    expected = _target_roster_expected(raw, ctx.target_dir / "config.json")
     found = ctx.target_tensors()
-    if raw.get("tie_word_embeddings"):
-        expected.pop("lm_head.weight", None)
-    report = compare_roster(expected, found, ignore_unexpected=("model.layers.*.mlp.experts.*.*_scale*", "lm_head.*"))
+    if raw.get("model_type", "deepseek_v3") in MLA_TARGET_TYPES:
+        expected = _mla_roster(raw, ctx.target_dir / "config.json")
+        report = compare_roster(
+            expected, found, ignore_unexpected=("model.layers.*.mlp.experts.*.*_scale*", "lm_head.*")
+        )
+    else:
+        report = compare_roster(_hf_roster(raw), found, ignore_unexpected=("*",))
+        report = replace(report, wrong_dtype=())
     return report_problems(report, source=f"the target checkpoint {ctx.target_dir}")
 
 
@@ -1035,7 +1060,9 @@ _HALF = ("F16", "BF16")
 def _dtype_problems(raw: dict[str, Any] | None, infos: Mapping[str, TensorInfo], who: str) -> list[Problem]:
     """16-bit floats are either all F16 or all BF16, and the kind config.json declares (bit-for-bit the same
     size, so a relabelled header passes every size check and silently reinterprets the weights)."""
-    declared = {"bfloat16": "BF16", "float16": "F16"}.get(str((raw or {}).get("torch_dtype", "")))
+    raw = raw or {}
+    label = raw.get("torch_dtype", raw.get("dtype"))  # transformers 5 writes "dtype"
+    declared = {"bfloat16": "BF16", "float16": "F16"}.get(str(label))
     half = {name: i.dtype for name, i in infos.items() if i.dtype in _HALF}
     kinds = sorted(set(half.values()))
     if declared is not None:
@@ -1052,7 +1079,7 @@ def _dtype_problems(raw: dict[str, Any] | None, infos: Mapping[str, TensorInfo],
     return [
         Problem(
             f"{who}: {len(odd)} tensor(s) are stored as {other} while the checkpoint is {declared} "
-            f"(torch_dtype {(raw or {}).get('torch_dtype')!r}), e.g. {odd[:3]}: a relabelled header reinterprets "
+            f"(torch_dtype {label!r}), e.g. {odd[:3]}: a relabelled header reinterprets "
             "the bits as another number format",
             "re-download or re-export the checkpoint (convert with a real cast, never by editing the header)",
         )

@@ -17,6 +17,9 @@ changes. The horizon is part of the checkpoint, so a resume continues the same s
 also stops training (checkpoint + export) when the wall clock runs out. With ``max_steps`` set the
 schedule is fixed and a resumed run is bit-identical to an uninterrupted one.
 
+The loop (stop rules, the horizon, evaluation/checkpoint intervals, export) is ``dspark.train.loop.TrainLoop``,
+shared with the drafter trainer; ``TargetTrainer`` implements its hooks.
+
 Usage: ``dspark train-target --data-dir runs/data/bpe8k --out-dir runs/target --max-minutes 55 [--resume]``.
 """
 

@@ -17,6 +17,9 @@ The embedding and lm_head are the target's, frozen and never saved in the drafte
 (``out_dir/checkpoint/last.pt``) resume bit-exactly; the export (``out_dir/export``) is the official
 ``k3_dspark`` directory written by ``save_drafter`` (bf16) plus ``training_log.json``.
 
+The run itself (stop rules, time-derived horizon, evaluation/checkpoint intervals, final export) is the loop
+both trainers share, ``dspark.train.loop.TrainLoop``; ``DraftTrainer`` implements its hooks.
+
 Runs single-process or under ``torchrun`` (gloo on CPU):
 ``torchrun --nproc_per_node 2 --no-python dspark train-draft --target DIR --data-dir DIR --out-dir DIR``.
 """
