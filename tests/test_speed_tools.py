@@ -154,7 +154,7 @@ def test_grouped_moe_equals_the_per_expert_loop():
         idx, w = moe.gate(x)
         ref = moe._routed_loop(x, idx, w)
         target.fuse_for_inference()
-        out = grouped_experts(x, idx, w, *moe.stacked_experts())
+        out = grouped_experts(x, idx, w, moe.stacked_experts())
     assert torch.equal(out, ref)
     assert len(idx.unique()) > 1
     with torch.enable_grad():

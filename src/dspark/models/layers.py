@@ -67,17 +67,21 @@ class SwiGLU(nn.Module):
         g = self.__dict__.get("_gate_up")
         if g is None:
             return None
-        w1, w2 = self.gate_proj.weight, self.up_proj.weight
-        if w1.data_ptr() != g.data_ptr() or w2.data_ptr() != g[w1.shape[0] :].data_ptr() or w1.dtype != g.dtype:
+        if not _halves_of(g, self.gate_proj.weight, self.up_proj.weight):
             return None
-        if self.gate_proj.bias is not None:
-            b = self.__dict__.get("_gate_up_bias")
-            b1, b2 = self.gate_proj.bias, self.up_proj.bias
-            if b is None or b1.data_ptr() != b.data_ptr() or b2.data_ptr() != b[b1.shape[0] :].data_ptr():
-                return None
-            if b1.dtype != b.dtype:
-                return None
+        if self.gate_proj.bias is not None and not _halves_of(
+            self.__dict__.get("_gate_up_bias"), self.gate_proj.bias, self.up_proj.bias
+        ):
+            return None
         return g
+
+
+def _halves_of(fused: torch.Tensor | None, first: torch.Tensor, second: torch.Tensor) -> bool:
+    """first and second are still the two halves of fused (pointer arithmetic only: no tensor op)."""
+    if fused is None or first.dtype != fused.dtype or second.dtype != fused.dtype:
+        return False
+    start = fused.data_ptr()
+    return first.data_ptr() == start and second.data_ptr() == start + first.numel() * first.element_size()
 
 
 def causal_mask(q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:

@@ -80,18 +80,20 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.cfg.num_heads, -1, self.cfg.kv_lora_rank)
         return w[:, : self.cfg.qk_nope_head_dim], w[:, self.cfg.qk_nope_head_dim :]
 
-    def _w_uv_t(self) -> torch.Tensor:
-        """W_UV transposed, [H, C, Dv], contiguous outside grad mode: CPU bf16 GEMMs on a transposed view are
-        ~20x slower. The copy is cached and rebuilt whenever kv_b_proj's weight changes (pointer, dtype, version)."""
-        w_uv_t = self._w_uk_uv()[1].transpose(1, 2)
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, Dn, C] (a view of kv_b_proj) and W_UV transposed [H, C, Dv], contiguous outside grad mode: CPU
+        bf16 GEMMs on a transposed view are ~20x slower. Cached; rebuilt whenever kv_b_proj's weight changes
+        (pointer, dtype, in-place version)."""
         if torch.is_grad_enabled():
-            return w_uv_t
+            w_uk, w_uv = self._w_uk_uv()
+            return w_uk, w_uv.transpose(1, 2)
         w = self.kv_b_proj.weight
         key = (w.data_ptr(), w.dtype, _version(w))
-        cached = self.__dict__.get("_uv_t_cache")
+        cached = self.__dict__.get("_absorbed_cache")
         if cached is None or cached[0] != key:
-            cached = (key, w_uv_t.contiguous())
-            self.__dict__["_uv_t_cache"] = cached
+            w_uk, w_uv = self._w_uk_uv()
+            cached = (key, (w_uk, w_uv.transpose(1, 2).contiguous()))
+            self.__dict__["_absorbed_cache"] = cached
         return cached[1]
 
     # ---- attention over latents ----------------------------------------------------------------------
@@ -123,7 +125,7 @@ class MLAttention(nn.Module):
         matmuls (W_UK absorption, scores, probs·latents, W_UV) batched over requests and heads."""
         B, T, H, Dn = q_nope.shape
         C = self.cfg.kv_lora_rank
-        w_uk = self._w_uk_uv()[0]
+        w_uk, w_uv_t = self._absorbed_weights()
         q_lat = torch.matmul(q_nope.permute(2, 0, 1, 3).reshape(H, B * T, Dn), w_uk)  # [H, B·T, C]
         q = torch.cat((q_lat.view(H, B, T, C).transpose(0, 1), q_pe.transpose(1, 2)), -1)  # [B, H, T, C+R]
         if self.backend == "sdpa":  # MQA: H query heads over one 576-wide KV head, values = its first C
@@ -136,7 +138,7 @@ class MLAttention(nn.Module):
             scores = latent_scores(q.reshape(B, H * T, -1), kv).mul_(self.scale).view(B, H, T, -1)  # fp32
             probs = (scores + attention_bias(mask)).softmax(-1).to(kv.dtype).view(B, H * T, -1)
             o_lat = torch.matmul(probs, kv[..., :C]).view(B, H, T, C)
-        out = torch.matmul(o_lat.transpose(0, 1).reshape(H, B * T, C), self._w_uv_t())  # [H, B·T, Dv]
+        out = torch.matmul(o_lat.transpose(0, 1).reshape(H, B * T, C), w_uv_t)  # [H, B·T, Dv]
         return out.view(H, B, T, -1).permute(1, 2, 0, 3).flatten(2)  # [B, T, H·Dv]
 
     def forward(

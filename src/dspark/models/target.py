@@ -80,7 +80,7 @@ class MoE(nn.Module):
             if stacked is None:
                 out = self._routed_loop(flat, idx, weights)
             else:
-                out = grouped_experts(flat, idx, weights, *stacked)
+                out = grouped_experts(flat, idx, weights, stacked)
             if self.shared_experts is not None:
                 out = out + self.shared_experts(flat)
         return out.view_as(x)
@@ -109,46 +109,50 @@ class MoE(nn.Module):
                 down[e].copy_(expert.down_proj.weight)
             expert.down_proj.weight = nn.Parameter(down[e], requires_grad=expert.down_proj.weight.requires_grad)
         self._stacked = (gate_up, down)
+        self._expert_views = list(zip(gate_up.unbind(0), down.unbind(0)))  # built once, not per forward
         if self.shared_experts is not None:
             self.shared_experts.fuse()
 
-    def stacked_experts(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(gate_up [E, 2I, D], down [E, D, I]) while every expert still lives in them; None in grad mode."""
-        return None if torch.is_grad_enabled() else self._linked_stack()
+    def stacked_experts(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Per expert (gate_up [2I, D], down [D, I]) views of the stacked weights while every expert still lives
+        in them; None in grad mode (training keeps the reference loop)."""
+        if torch.is_grad_enabled() or self._linked_stack() is None:
+            return None
+        return self._expert_views
 
     def _linked_stack(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         stacked = self.__dict__.get("_stacked")
         if stacked is None:
             return None
         gate_up, down = stacked
-        for e, expert in enumerate(self.experts):
+        gu0, gu_step = gate_up.data_ptr(), gate_up.stride(0) * gate_up.element_size()
+        d0, d_step = down.data_ptr(), down.stride(0) * down.element_size()
+        for e, expert in enumerate(self.experts):  # pointer arithmetic only: no tensor op per expert
             g = expert._linked_gate_up()
-            w = expert.down_proj.weight
-            if g is None or g.data_ptr() != gate_up[e].data_ptr() or w.data_ptr() != down[e].data_ptr():
+            if g is None or g.data_ptr() != gu0 + e * gu_step or expert.down_proj.weight.data_ptr() != d0 + e * d_step:
+                return None
+            if expert.down_proj.weight.dtype != down.dtype:
                 return None
         return stacked
 
 
 def grouped_experts(
-    flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, experts: Sequence[tuple[torch.Tensor, torch.Tensor]]
 ) -> torch.Tensor:
-    """Routed experts in one grouped pass: flat [N, D], idx/weights [N, k], gate_up [E, 2I, D], down [E, D, I] →
-    [N, D]. The N·k (token, expert) pairs are sorted by expert once (one host read of the per-expert counts);
-    each expert with tokens runs two GEMMs on its contiguous slice; results are summed per token in ascending
-    expert order, as the per-expert reference loop does."""
-    N, k = idx.shape
+    """Routed experts in one grouped pass: flat [N, D], idx/weights [N, k], experts[e] = (gate_up [2I, D],
+    down [D, I]) → [N, D]. The N·k (token, expert) pairs are sorted by expert once (one host read of the
+    per-expert counts) and split into contiguous groups; each expert with tokens runs two GEMMs on its group;
+    results are summed per token in ascending expert order, as the per-expert reference loop does."""
+    k = idx.shape[1]
     order = idx.reshape(-1).argsort(stable=True)  # pairs grouped by expert, ascending
     rows = order // k  # token of each sorted pair
-    counts = torch.bincount(idx.reshape(-1), minlength=gate_up.shape[0]).tolist()
-    x = flat.index_select(0, rows)
-    y = torch.empty_like(x)
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            g, u = F.linear(x[start : start + n], gate_up[e]).chunk(2, dim=-1)
-            y[start : start + n] = F.linear(F.silu(g.contiguous()) * u, down[e])  # contiguous: see SwiGLU
-            start += n
-    y = y * weights.reshape(-1)[order, None].to(y.dtype)
+    counts = torch.bincount(idx.reshape(-1), minlength=len(experts)).tolist()
+    outs = []
+    for (gate_up, down), x in zip(experts, flat.index_select(0, rows).split(counts)):
+        if x.shape[0]:
+            g, u = F.linear(x, gate_up).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(g.contiguous()) * u, down))  # contiguous gate: see SwiGLU
+    y = torch.cat(outs) * weights.reshape(-1)[order, None].to(flat.dtype)
     return torch.zeros_like(flat).index_add_(0, rows, y)
 
 

@@ -6,7 +6,7 @@ import torch
 
 from dspark.spec.propose import Proposal, SamplingTensors
 from dspark.spec.rng import Stream, uniforms
-from dspark.spec.sampling import GREEDY_EPS, greedy, process_logits, sample_inverse_cdf
+from dspark.spec.sampling import all_greedy, greedy, process_logits, sample_inverse_cdf
 from dspark.spec.verify import VerifyResult, verify_block, verify_greedy, verify_standard
 
 
@@ -24,7 +24,7 @@ def accept(
     """
     B, K1, _ = target_logits.shape
     K = K1 - 1
-    if all_greedy(sampling):  # every rule reduces to exact argmax matching: skip distributions and uniforms
+    if all_greedy(sampling.temperature):  # every rule reduces to exact argmax matching: skip distributions and uniforms
         return verify_greedy(proposal.tokens[:, :K], lengths, target_logits)
     p = process_logits(target_logits, sampling.temperature, sampling.top_k, sampling.top_p)
     u_accept = uniforms(sampling.seeds, sampling.counters[:, : K + 1], Stream.ACCEPT)
@@ -36,14 +36,8 @@ def accept(
 
 def sample_next(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
     """Plain (non-speculative) sampling: logits [B, V] → tokens [B] on the residual stream."""
-    if all_greedy(sampling):
+    if all_greedy(sampling.temperature):
         return greedy(logits)
     p = process_logits(logits[:, None], sampling.temperature, sampling.top_k, sampling.top_p)[:, 0]
     u = uniforms(sampling.seeds, sampling.counters[:, :1], Stream.RESIDUAL)[:, 0]
     return sample_inverse_cdf(p, u)
-
-
-def all_greedy(sampling: SamplingTensors) -> bool:
-    """Every row at temperature <= GREEDY_EPS: p is one-hot at the argmax (first index on ties), the result of every
-    rule is the argmax match, and no uniform is drawn (the counters need not advance: they are keyed by position)."""
-    return bool((sampling.temperature <= GREEDY_EPS).all())

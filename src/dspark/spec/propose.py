@@ -12,7 +12,7 @@ from dspark.cache.pool import BatchStore
 from dspark.models.drafter import DSparkDrafter
 from dspark.profiling import scope
 from dspark.spec.rng import Stream, uniforms
-from dspark.spec.sampling import process_logits, sample_inverse_cdf
+from dspark.spec.sampling import all_greedy, process_logits, sample_inverse_cdf
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,7 @@ def draft_block(
         hidden = out.hidden[:, :K]  # [B, K, D]
         base = drafter.lm_head(hidden).float()  # [B, K, V]
     u = None
+    probabilistic = probabilistic and not all_greedy(sampling.temperature)  # all greedy: q is one-hot at d (None)
     if probabilistic:  # greedy drafting draws no uniforms
         u = uniforms(sampling.seeds, sampling.counters[:, :K], Stream.DRAFT).float().clamp(1e-7, 1 - 1e-7)
     qs: list[torch.Tensor] = []
