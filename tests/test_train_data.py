@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from dspark.tokenizer import load_tokenizer
 from dspark.train.anchors import (
     block_inputs,
     block_positions,
@@ -32,7 +33,6 @@ from dspark.train.tokenizer import (
     SPECIAL_TOKENS,
     encode_corpus,
     format_chat,
-    load_tokenizer,
     save_tokenizer,
     special_token_ids,
     train_tokenizer,
@@ -165,7 +165,7 @@ def test_tokenizer_save_load_and_chat_format(small_tokenizer, tmp_path: Path) ->
         load_tokenizer(tmp_path / "missing")
     save_tokenizer(tok, tmp_path / "tok", model_max_length=1024)
     loaded = load_tokenizer(tmp_path / "tok")
-    assert loaded.encode(UNICODE_CODE).ids == tok.encode(UNICODE_CODE).ids
+    assert loaded.encode(UNICODE_CODE, add_special_tokens=False) == tok.encode(UNICODE_CODE).ids
     config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
     assert (config["bos_token"], config["eos_token"], config["pad_token"], config["mask_token"]) == (
         "<|bos|>",
@@ -177,7 +177,11 @@ def test_tokenizer_save_load_and_chat_format(small_tokenizer, tmp_path: Path) ->
     assert "<|user|>" in config["chat_template"] and "<|assistant|>" in config["chat_template"]
     chat = format_chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}], True)
     assert chat == "<|bos|><|user|>hi<|assistant|>ok<|eos|><|assistant|>"
-    assert loaded.encode(chat).ids[:2] == [0, 4]
+    assert loaded.encode(chat, add_special_tokens=False)[:2] == [0, 4]
+    assert (
+        loaded.encode_chat([{"role": "user", "content": "hi"}])
+        == tok.encode(format_chat([{"role": "user", "content": "hi"}], True)).ids
+    )
     jinja2 = pytest.importorskip("jinja2")
     messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     rendered = jinja2.Environment().from_string(config["chat_template"])

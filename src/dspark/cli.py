@@ -265,9 +265,9 @@ def cmd_verify_lossless(args: argparse.Namespace) -> int:
     from dspark.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    texts = [p.text for p in prompts]
-    ref = LLM.from_engine(ar_engine).generate(texts, params)
-    got = LLM.from_engine(spec_engine).generate(texts, params)
+    ids = [p.token_ids(spec_engine.tokenizer) for p in prompts]
+    ref = LLM.from_engine(ar_engine).generate(ids, params)
+    got = LLM.from_engine(spec_engine).generate(ids, params)
     bad = 0
     for i, (a, b) in enumerate(zip(ref, got)):
         if a.token_ids != b.token_ids:

@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from dspark.tokenizer import ByteTokenizer, HFTokenizer
+
 
 class DatasetError(ValueError):
     pass
@@ -15,6 +17,10 @@ class DatasetError(ValueError):
 class Prompt:
     text: str  # the rendered prompt (chat template applied for turns/messages)
     is_chat: bool
+
+    def token_ids(self, tokenizer: HFTokenizer | ByteTokenizer) -> list[int]:
+        """Ids as transformers and vLLM build them: a rendered chat template already holds its special tokens."""
+        return tokenizer.encode(self.text, add_special_tokens=not self.is_chat)
 
 
 def load_prompts(path: str | Path, num_prompts: int | None = None, chat_template=None) -> list[Prompt]:

@@ -92,7 +92,8 @@ def build_engines(
     target = load_target(target_dir, dtype)
     check_finite(target, f"target {target_dir}")
     _set_target_backend(target, ecfg.target_attention_backend)
-    tok = load_tokenizer(target_dir, target.config.vocab_size, target.config.eos_token_ids)
+    tcfg = target.config
+    tok = load_tokenizer(target_dir, tcfg.vocab_size, tcfg.eos_token_ids, tcfg.bos_token_id)
     drafters: dict[tuple[Path, str | None], Any] = {}  # one drafter per (directory, attention backend)
     engines = []
     for spec, draft_dir in zip(specs, draft_dirs):

@@ -34,6 +34,7 @@ class BenchPrompt:
     text: str
     path: str | None = None  # source file (corpus-relative) the prompt was cut from, when known
     line: int | None = None  # 1-based line of the prompt's first line in that file
+    is_chat: bool = False  # text is a rendered chat template (encoded without adding special tokens)
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ def read_bench_prompts(
     for prompt, row in zip(texts, rows):
         src, line = row.get("path"), row.get("line")
         ok = isinstance(src, str) and isinstance(line, int)
-        out.append(BenchPrompt(prompt.text, src if ok else None, line if ok else None))
+        out.append(BenchPrompt(prompt.text, src if ok else None, line if ok else None, prompt.is_chat))
     return out
 
 

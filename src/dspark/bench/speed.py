@@ -331,12 +331,13 @@ def _pages_needed(lengths: Sequence[int], concurrency: int, extra: int, page: in
 def run_bench(cfg: BenchConfig) -> BenchReport:
     """Build every method on one loaded target, then run all cells interleaved; see the module docstring."""
     from dspark.bench.datasets import pad_prompts, read_bench_prompts, read_sources
+    from dspark.models.loading import read_target_config
     from dspark.tokenizer import load_tokenizer
 
     notes: list[str] = []
     res = resolve_dirs(cfg)
-    tcfg = TargetConfig.load(res.target_dir)
-    tok = load_tokenizer(res.target_dir, tcfg.vocab_size, tcfg.eos_token_ids)
+    tcfg = read_target_config(res.target_dir)
+    tok = load_tokenizer(res.target_dir, tcfg.vocab_size, tcfg.eos_token_ids, tcfg.bos_token_id)
     block = DraftConfig.load(res.draft_dir).block_size if res.draft_dir is not None else None
     k = cfg.num_speculative_tokens or min(SpeculativeConfig().num_speculative_tokens, block or 32)
     max_len = min(tcfg.max_position_embeddings, 32768)
@@ -344,19 +345,17 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
     if budget < 2:
         raise ConfigError(f"bench: --max-tokens {cfg.max_tokens} leaves no room for a prompt in {max_len} positions")
 
-    def encode(text: str, limit: int = budget) -> tuple[int, ...]:
-        """Token ids as the engine builds them (BOS first), keeping the last tokens if longer than limit."""
-        ids, bos = tok.encode(text), tcfg.bos_token_id
-        if bos is not None and ids and ids[0] == bos:
-            ids = ids[1:]
-        head = [bos] if bos is not None else []
-        keep = limit - len(head)
-        return tuple(head + ids[-keep:]) if len(ids) > keep else tuple(head + ids)
+    def encode(text: str, chat: bool, limit: int = budget) -> tuple[int, ...]:
+        """Token ids as AutoTokenizer builds them (chat text holds its template's special tokens), keeping a
+        leading BOS and the last tokens if longer than limit."""
+        ids = tok.encode(text, add_special_tokens=not chat)
+        head = ids[:1] if ids[:1] == [tok.bos_token_id] else []
+        return tuple(head + ids[len(head) - limit :]) if len(ids) > limit else tuple(ids)
 
     prompts = read_bench_prompts(cfg.dataset, cfg.num_prompts, getattr(tok, "apply_chat_template", None))
     dataset = Path(cfg.dataset).name
-    base = tuple(encode(p.text) for p in prompts)
-    cut = sum(len(encode(p.text, 10**9)) > budget for p in prompts)
+    base = tuple(encode(p.text, p.is_chat) for p in prompts)
+    cut = sum(len(encode(p.text, p.is_chat, 10**9)) > budget for p in prompts)
     if cut:
         notes.append(f"{cut} prompt(s) longer than {budget} tokens were cut to their last {budget} tokens")
     cells = [Cell(dataset, t, c, base) for t in cfg.temperatures for c in cfg.concurrency]
@@ -369,7 +368,7 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
                 notes.append(f"context depth {depth}: skipped (with --max-tokens it exceeds {max_len} positions)")
                 continue
             texts = pad_prompts(few, depth - 1, lambda s: len(tok.encode(s)), sources)  # -1: room for BOS
-            padded = tuple(encode(t, depth) for t in texts)
+            padded = tuple(encode(t, p.is_chat, depth) for t, p in zip(texts, few))
             for t in cfg.temperatures:
                 depth_cells.append(Cell(f"{dataset}@ctx{depth}", t, min(cfg.concurrency), padded, True))
 

@@ -104,7 +104,7 @@ class Engine:
             self.drafter.fuse_for_inference()
         tcfg = target.config
         self.max_model_len = self.cfg.max_model_len or min(tcfg.max_position_embeddings, 32768)
-        self.tokenizer = tokenizer or ByteTokenizer(tcfg.vocab_size, tcfg.eos_token_ids)
+        self.tokenizer = tokenizer or ByteTokenizer(tcfg.vocab_size, tcfg.eos_token_ids, tcfg.bos_token_id)
         self.eos_ids = set(tcfg.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()))
         self.K = self.spec.num_speculative_tokens if self.spec else 0
         ccfg = cache_config or CacheConfig()
@@ -140,10 +140,7 @@ class Engine:
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
     ) -> Request:
         params = params or SamplingParams()
-        ids = list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(prompt)
-        bos = self.target.config.bos_token_id
-        if isinstance(prompt, str) and bos is not None and (not ids or ids[0] != bos):
-            ids = [bos, *ids]
+        ids = list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(prompt)  # AutoTokenizer's ids
         if not ids:
             raise EngineError("prompt is empty; give at least one token")
         vocab = self.target.config.vocab_size
@@ -162,7 +159,7 @@ class Engine:
         if rid in self.requests:
             raise EngineError(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else zlib.crc32(f"{self.cfg.seed}:{rid}".encode())
-        req = Request(rid, ids, params, seed)
+        req = Request(rid, ids, params, seed, detok=self.tokenizer.detokenizer())
         self.requests[rid] = req
         self.scheduler.add(req)
         self.metrics.prompt_tokens += len(ids)
@@ -316,14 +313,15 @@ class Engine:
         p = req.params
         for tok in tokens:
             req.output_ids.append(tok)
+            if req.detok is not None:
+                req.detok.step((tok,))
             self.metrics.generation_tokens += 1
             if not p.ignore_eos and tok in self.eos_ids:
                 return self._finish(req, "stop", tok)
             if tok in p.stop_token_ids:
                 return self._finish(req, "stop", tok)
-            if p.stop:
-                text = self.tokenizer.decode(req.output_ids)
-                hit = next((s for s in p.stop if s in text), None)
+            if p.stop and req.detok is not None:
+                hit = next((s for s in p.stop if s in req.detok.text), None)
                 if hit is not None:
                     return self._finish(req, "stop", hit)
             if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
@@ -341,7 +339,9 @@ class Engine:
         self._updated.append(req)
 
     def output_of(self, req: Request) -> RequestOutput:
-        text = self.tokenizer.decode(req.output_ids)
+        if req.finished and req.detok is not None:
+            req.detok.flush()  # a trailing incomplete character, as the full decode shows it
+        text = req.detok.text if req.detok is not None else ""
         if isinstance(req.stop_reason, str) and req.stop_reason in text:
             text = text[: text.index(req.stop_reason)]
         s = req.spec

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from dspark.engine.metrics import SpecDecodingMetrics
 from dspark.sampling_params import SamplingParams
+from dspark.tokenizer import IncrementalDetokenizer
 
 
 class Status(enum.Enum):
@@ -34,6 +35,7 @@ class Request:
     num_preemptions: int = 0
     aborted: bool = False
     error: str | None = None  # what raised while processing this request (finish_reason "error")
+    detok: IncrementalDetokenizer | None = None  # output text (None: built outside Engine.add_request, no text)
 
     @property
     def all_ids(self) -> list[int]:

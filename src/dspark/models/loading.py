@@ -284,6 +284,15 @@ def save_drafter(
     (path / "config.json").write_text(json.dumps(d, indent=2))
 
 
+def read_target_config(path: str | Path) -> TargetConfig | GQATargetConfig:
+    """A target's config.json as its family's config (the fields every family shares: vocab, eos, context...)."""
+    d = read_json(path)
+    source = str(Path(path) / "config.json" if Path(path).is_dir() else path)
+    if d.get("model_type") in GQA_MODEL_TYPES:
+        return GQATargetConfig.from_dict(d, source=source)
+    return TargetConfig.from_dict(d, source=source)
+
+
 def read_config_any(path: str | Path) -> TargetConfig | GQATargetConfig | DraftConfig | KimiLinearConfig:
     """A config.json (or directory) as a TargetConfig, GQATargetConfig, KimiLinearConfig or DraftConfig, by
     architecture/model_type."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol
 
 import torch
 from torch import nn
@@ -69,7 +69,6 @@ class CacheView(Protocol):
         ...
 
 
-@runtime_checkable
 class TargetInfo(Protocol):
     """The hyper-parameters the engine, tokenizer and doctor read from any target's config."""
 

@@ -7,10 +7,10 @@ Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``: 4
 bad sampling values, max_tokens out of range, prompts longer than the context), 401 for a missing/wrong API key
 (every route but /health), 404 for an unknown model or route, 503 when the waiting queue is full, 500 otherwise.
 
-Chat prompts are rendered with ``engine.tokenizer.apply_chat_template(messages)`` (the model's
-``dspark_chat_template`` from tokenizer_config.json, else the documented default ``<|user|>{content}<|assistant|>``
-per non-assistant turn; assistant turns are appended verbatim). A chat request without max_tokens generates up to
-``CHAT_DEFAULT_MAX_TOKENS`` (256) tokens, capped by what the context leaves after the prompt.
+Chat prompts are ``apply_chat_template(messages, add_generation_prompt=True)`` of the model's tokenizer (its
+Jinja ``chat_template`` from tokenizer_config.json), encoded without adding special tokens (the template places
+them). A chat request without max_tokens generates up to ``CHAT_DEFAULT_MAX_TOKENS`` (256) tokens, capped by what
+the context leaves after the prompt.
 """
 
 from __future__ import annotations
@@ -138,12 +138,8 @@ class _ApiKeyMiddleware:
 
 
 def encode_prompt(engine: Engine, text: str, add_special_tokens: bool = True) -> list[int]:
-    """Token ids exactly as ``Engine.add_request`` would build them from a string (BOS prepended)."""
-    ids = engine.tokenizer.encode(text)
-    bos = engine.target.config.bos_token_id
-    if add_special_tokens and bos is not None and (not ids or ids[0] != bos):
-        ids = [bos, *ids]
-    return ids
+    """Token ids exactly as AutoTokenizer gives them (``Engine.add_request`` of a string: special tokens added)."""
+    return engine.tokenizer.encode(text, add_special_tokens)
 
 
 def render_chat(engine: Engine, messages: Sequence[ChatMessage]) -> str:
@@ -486,7 +482,7 @@ def create_app(engine: Engine, api_key: str | None = None, model_name: str | Non
     async def _chat(req: ChatCompletionRequest, request: Request):
         state.check_model(req.model)
         _check_unsupported(req)
-        ids = encode_prompt(engine, render_chat(engine, req.messages))
+        ids = encode_prompt(engine, render_chat(engine, req.messages), add_special_tokens=False)  # template's own
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:
             max_tokens = max(1, min(CHAT_DEFAULT_MAX_TOKENS, engine.max_model_len - len(ids)))
@@ -599,7 +595,8 @@ def create_app(engine: Engine, api_key: str | None = None, model_name: str | Non
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of 'prompt' (a string) or 'messages' (a chat)", param="prompt")
         text = req.prompt if req.prompt is not None else render_chat(engine, req.messages or [])
-        ids = encode_prompt(engine, text, req.add_special_tokens)
+        explicit = req.prompt is not None or "add_special_tokens" in req.model_fields_set  # chat default: vLLM's False
+        ids = encode_prompt(engine, text, req.add_special_tokens and explicit)
         return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
 
     @app.post("/detokenize")

@@ -165,7 +165,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         f"decoding {len(prompts)} prompts (K = {engine.K}, full block verified, temperature {args.temperature})",
         file=sys.stderr,
     )
-    data = collect(engine, [p.text for p in prompts], params)
+    data = collect(engine, [p.token_ids(engine.tokenizer) for p in prompts], params)
     temps = fit_sts(data.logits, data.accepted, n_bins=args.bins)
     report = calibration_report(data.logits, data.accepted, temps, n_bins=args.bins)
     extra = {

@@ -328,11 +328,10 @@ def resolve_vocab_size(cfg: PretrainConfig) -> int:
     if cfg.vocab_size is not None:
         return cfg.vocab_size
     d = Path(cfg.data_dir)
-    tok = d / "tokenizer.json"
-    if tok.is_file():
-        from tokenizers import Tokenizer
+    if (d / "tokenizer.json").is_file():
+        from dspark.tokenizer import load_tokenizer
 
-        return Tokenizer.from_file(str(tok)).get_vocab_size()
+        return load_tokenizer(d).vocab_size
     manifest = d / "data_manifest.json"
     if manifest.is_file():
         return int(json.loads(manifest.read_text())["vocab_size"])

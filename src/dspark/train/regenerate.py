@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -280,8 +281,9 @@ def build_draft_dataset(cfg: RegenerateConfig) -> RegenerateResult:
         return [d["text"] for d in iter_documents(path)]
 
     kw = dict(min_tokens=cfg.min_prompt_tokens, max_tokens=cfg.max_prompt_tokens)
-    train_prompts = corpus_prompts(texts("train"), tok.encode, cfg.num_prompts, seed=cfg.seed, **kw)
-    val_prompts = corpus_prompts(texts("validation"), tok.encode, cfg.num_val_prompts, seed=cfg.seed + 1, **kw)
+    encode = partial(tok.encode, add_special_tokens=False)  # text cut from inside a document: no BOS
+    train_prompts = corpus_prompts(texts("train"), encode, cfg.num_prompts, seed=cfg.seed, **kw)
+    val_prompts = corpus_prompts(texts("validation"), encode, cfg.num_val_prompts, seed=cfg.seed + 1, **kw)
     say(f"draft-data: {len(train_prompts)} train + {len(val_prompts)} validation prompts from {corpus}")
 
     generated = 0

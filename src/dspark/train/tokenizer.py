@@ -141,15 +141,6 @@ def save_tokenizer(tok: Tokenizer, directory: str | Path, model_max_length: int 
     atomic_write_bytes(out / TOKENIZER_CONFIG_FILE, config.encode("utf-8"))
 
 
-def load_tokenizer(directory: str | Path) -> Tokenizer:
-    path = Path(directory) / TOKENIZER_FILE
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} not found; train one with `python -m dspark.train.tokenizer CORPUS_DIR {directory}`"
-        )
-    return Tokenizer.from_file(str(path))
-
-
 def _batches(texts: Iterable[str], size: int) -> Iterator[list[str]]:
     batch: list[str] = []
     for text in texts:
@@ -180,14 +171,6 @@ def encode_corpus(jsonl_path: str | Path, tok: Tokenizer, out_path: str | Path) 
     with atomic_write(out_path) as f:
         np.save(f, tokens, allow_pickle=False)
     return int(tokens.size)
-
-
-def load_tokens(npy_path: str | Path) -> np.ndarray:
-    """Memory-map a token array written by encode_corpus."""
-    path = Path(npy_path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found; run `python -m dspark.train.tokenizer CORPUS_DIR OUT_DIR`")
-    return np.load(path, mmap_mode="r", allow_pickle=False)
 
 
 @dataclass(frozen=True)
