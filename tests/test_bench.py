@@ -49,12 +49,27 @@ def test_spec_counters_delta_and_rates_match_hand_computation():
     for L, n in records:
         m.record(L, n)
     d = SpecCounters.of(m) - before
-    assert d.num_drafts == 4 and d.num_accepted_tokens == 6 and d.num_draft_tokens == 10
-    assert d.acceptance_length == pytest.approx(1 + 6 / 4)
-    assert d.per_position_acceptance == pytest.approx([2 / 4, 2 / 4, 1 / 4, 1 / 4])
+    # the L = 0 step verified a row but drafted nothing: not a draft (vLLM semantics)
+    assert d.num_drafts == 3 and d.num_undrafted == 1 and d.num_accepted_tokens == 6 and d.num_draft_tokens == 10
+    assert d.acceptance_length == pytest.approx(1 + 6 / 3)
+    assert d.per_position_acceptance == pytest.approx([2 / 3, 2 / 3, 1 / 3, 1 / 3])
     assert d.verify_rate == pytest.approx(sum(n + 1 for _, n in records) / sum(L + 1 for L, _ in records))
     assert (before + d) == SpecCounters.of(m)
     assert SpecCounters().acceptance_length is None and SpecCounters().verify_rate is None
+
+
+def test_a_step_without_draft_tokens_is_not_a_draft_as_in_vllm():
+    """An n-gram miss (or an adaptive L = 0) verifies one row but proposes nothing: counting it as a draft would
+    dilute τ and the per-position rates against vLLM's counters, which skip such steps."""
+    m = SpecDecodingMetrics()
+    for L, n in [(4, 4), (0, 0), (4, 2), (0, 0)]:
+        m.record(L, n)
+    c = SpecCounters.of(m)
+    assert c.num_drafts == 2 and c.num_undrafted == 2 and c.num_draft_tokens == 8
+    assert c.acceptance_length == pytest.approx(1 + 6 / 2) == m.acceptance_length
+    assert c.per_position_acceptance == pytest.approx([1.0, 1.0, 0.5, 0.5])
+    assert c.verify_rate == pytest.approx((5 + 3 + 1 + 1) / (5 + 1 + 5 + 1))  # Σ(n+1) / Σ(L+1) over all steps
+    assert m.verify_len_hist[0] == 2
 
 
 # ---- perfect drafter ----

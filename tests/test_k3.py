@@ -17,7 +17,9 @@ from dspark.models.loading import kimi_roster, load_kimi_linear, save_kimi_linea
 V, D = 71, 32
 
 
-def k3_config(block_size: int | None = 2, latent: int | None = 12, act: str = "situ") -> KimiLinearConfig:
+def k3_config(
+    block_size: int | None = 2, latent: int | None = 12, act: str = "situ", dense: bool = False
+) -> KimiLinearConfig:
     d = {
         "model_type": "kimi_linear",
         "vocab_size": V,
@@ -40,6 +42,7 @@ def k3_config(block_size: int | None = 2, latent: int | None = 12, act: str = "s
         "hidden_act": act,
         "moe_latent_size": latent,
         "attn_res_block_size": block_size,
+        "mlp_layer_types": ["dense"] * 6 if dense else None,
         "linear_attn_config": {
             "num_heads": 2,
             "head_dim": 8,

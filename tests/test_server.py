@@ -5,60 +5,25 @@ abort on disconnect frees cache pages, 4xx for bad input, API key, 503 on a full
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-import socket
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from dspark.llm import LLM, build_engine
+from dspark.llm import LLM
 from dspark.models.tiny import write_tiny_pair
 from dspark.sampling_params import SamplingParams
-from dspark.serve.app import create_app, encode_prompt
 from dspark.serve.async_engine import IncrementalText
+from dspark.serve.inputs import encode_prompt
 from dspark.serve.protocol import spec_metrics_of
-
-K = 4
+from serve_helpers import K, StepGate, make_engine, serving, sse_events, wait_for, wait_idle
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     return write_tiny_pair(tmp_path_factory.mktemp("pair"))
-
-
-def make_engine(pair, spec: bool = True, **kw):
-    cfg = {"method": "dspark", "model": str(pair[1]), "num_speculative_tokens": K} if spec else None
-    return build_engine(pair[0], cfg, dtype="float32", **kw)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serving(engine, **kw):
-    app = create_app(engine, **kw)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{server.config.port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 @pytest.fixture(scope="module")
@@ -72,43 +37,6 @@ def client(url: str, key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
 
 
-def wait_idle(engine, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while engine.has_unfinished or engine.num_pages_free != engine.pool.num_pages:
-        assert time.monotonic() < deadline, (engine.num_pages_free, engine.pool.num_pages)
-        time.sleep(0.02)
-
-
-class StepGate:
-    """Lets the engine thread take a step only when the test allows one, so a test waits on engine state, not on
-    how fast the machine is: while closed, commands (add, abort) are still applied but nobody generates."""
-
-    def __init__(self, engine) -> None:
-        self.permits = threading.Semaphore(0)
-        self.opened = threading.Event()
-        real = engine.step
-
-        def gated():
-            if self.opened.is_set() or self.permits.acquire(timeout=0.005):
-                return real()
-            return engine._drain()  # still report aborted/finished requests
-
-        engine.step = gated
-
-    def allow(self, n: int = 1) -> None:
-        self.permits.release(n)
-
-    def open(self) -> None:
-        self.opened.set()
-
-
-def wait_for(pred, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "engine state not reached"
-        time.sleep(0.005)
-
-
 def scrape(url: str, **headers) -> dict[tuple[str, tuple], float]:
     text = httpx.get(f"{url}/metrics", headers=headers).text
     out = {}
@@ -117,16 +45,6 @@ def scrape(url: str, **headers) -> dict[tuple[str, tuple], float]:
             labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
             out[(s.name, labels)] = s.value
     return out
-
-
-def sse_events(lines) -> list:
-    """Parse SSE lines into JSON chunks; the last element is the string '[DONE]' when the stream ended cleanly."""
-    events = []
-    for line in lines:
-        if line.startswith("data: "):
-            data = line[len("data: ") :]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
 
 
 # ---- pure helpers ------------------------------------------------------------------------------------------
@@ -451,3 +369,13 @@ def test_serve_cli_is_registered_with_local_defaults():
     args = build_parser().parse_args(["serve", "--api-key", "k"])
     assert args.host == "127.0.0.1" and args.port == 8000 and args.api_key == "k"
     assert args.func.__module__ == "dspark.serve.cli"
+
+
+def test_loadtest_counts_what_the_server_sent(spec_server):
+    from dspark.serve.loadtest import run
+
+    url, engine = spec_server
+    res = run(url + "/v1", concurrency=2, n=3, max_tokens=4)
+    assert res.num_requests == 3 and res.num_errors == 0 and res.output_tokens == 12
+    assert res.acceptance_length is not None and res.acceptance_length >= 1.0
+    wait_idle(engine)

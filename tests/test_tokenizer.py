@@ -101,6 +101,18 @@ def test_a_tokenizer_without_chat_template_refuses_chat_with_a_message(tmp_path)
     (target_dir / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="tokenizer_config.json has no 'chat_template'"):
         load_tokenizer(target_dir).encode_chat(MESSAGES)
+    client = TestClient(create_app(build_engine(target_dir, None, dtype="float32")))
+    body = {"model": "target", "messages": MESSAGES, "max_tokens": 2}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and "has no 'chat_template'" in r.json()["error"]["message"]
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400():
+    client = TestClient(create_app(build_engine(BUNDLED_TARGET, None, dtype="float32")))
+    model = client.get("/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "messages": [{"role": "tool", "content": "x"}], "max_tokens": 2}  # user/assistant only
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and "role must be user or assistant" in r.json()["error"]["message"]
 
 
 def test_bundled_chat_template_renders_the_trained_chat_format():
@@ -153,3 +165,26 @@ def test_engine_text_is_the_decode_of_its_tokens(tmp_path):
     params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=5)
     for out in llm.generate(TEXTS, params):
         assert out.text == llm.engine.tokenizer.decode(out.token_ids)
+
+
+@pytest.mark.parametrize("add_bos", [False, True])
+def test_gguf_exports_tokenize_as_the_gguf_file_does(tmp_path, add_bos):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dspark.checkpoint.gguf import export_gguf
+    from gguf_fixtures import VOCAB_SIZE, write_gguf
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=64, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    path = write_gguf(tmp_path / "m.gguf", LlamaForCausalLM(cfg).eval(), "llama", add_bos=add_bos)
+    tok = load_tokenizer(export_gguf(path))
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    text = "the other one, in there"
+    assert tok.encode(text) == ref(text)["input_ids"] and (tok.encode(text)[0] == 1) is add_bos
+    msgs = [{"role": "user", "content": "the answer"}]
+    assert tok.encode_chat(msgs) == ref.apply_chat_template(msgs, add_generation_prompt=True)["input_ids"]
+    assert 2 in tok.eos_token_ids

@@ -610,9 +610,38 @@ class KimiLinearConfig:
         """Streams a drafter may tap; the first is the default (K3 / AttnRes: "prefix")."""
         return ("prefix", "residual") if self.attn_res_block_size else ("residual",)
 
+    # TargetInfo (what the engine, tokenizer and doctor read) ---------------------------------------------
     @property
     def num_hidden_layers(self) -> int:
         return self.base.num_hidden_layers
+
+    @property
+    def vocab_size(self) -> int:
+        return self.base.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.base.hidden_size
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.base.max_position_embeddings
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.base.bos_token_id
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self.base.pad_token_id
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.base.eos_token_ids
+
+    @property
+    def model_type(self) -> str:
+        return "kimi_linear"
 
     @property
     def mla(self) -> MLAConfig:

@@ -1,8 +1,9 @@
 """Acceptance statistics from the engine's own counters (vLLM semantics), as deltas around a measured run.
 
 τ (mean acceptance length) = 1 + accepted / drafts, counting the bonus token; per-position acceptance
-= accepted_per_pos[i] / drafts; verify rate = Σ(n+1) / Σ(L+1) = (accepted + drafts) / verify_tokens, the share of
-verified target rows that became output. Nothing here re-derives these from generated text.
+= accepted_per_pos[i] / drafts, where a draft is a request step with at least one draft token (as in vLLM);
+verify rate = Σ(n+1) / Σ(L+1) = (accepted + drafts + undrafted steps) / verify_tokens, the share of verified target
+rows that became output. Nothing here re-derives these from generated text.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class SpecCounters:
     accepted_per_pos: tuple[int, ...] = ()
     verify_tokens: int = 0  # target rows verified (anchor + drafts)
     num_steps: int = 0
+    num_undrafted: int = 0  # request steps with no draft token (not drafts; one verified row each)
 
     @classmethod
     def of(cls, m: SpecDecodingMetrics) -> SpecCounters:
@@ -33,6 +35,7 @@ class SpecCounters:
             tuple(m.accepted_per_pos),
             m.verify_tokens,
             m.num_steps,
+            m.num_undrafted,
         )
 
     def __add__(self, other: SpecCounters) -> SpecCounters:
@@ -51,6 +54,7 @@ class SpecCounters:
             per_pos,
             self.verify_tokens + sign * other.verify_tokens,
             self.num_steps + sign * other.num_steps,
+            self.num_undrafted + sign * other.num_undrafted,
         )
 
     @property
@@ -69,7 +73,7 @@ class SpecCounters:
         """Σ(n+1)/Σ(L+1): output tokens per verified target row."""
         if not self.verify_tokens:
             return None
-        return (self.num_accepted_tokens + self.num_drafts) / self.verify_tokens
+        return (self.num_accepted_tokens + self.num_drafts + self.num_undrafted) / self.verify_tokens
 
 
 def sum_counters(parts: list[SpecCounters | None]) -> SpecCounters | None:

@@ -240,13 +240,13 @@ def _load_tokenizer(dirs: list[Path]) -> _Tokenizer:
     problems: list[Problem] = []
     tok = None
     if json_path is not None:
-        try:
-            from tokenizers import Tokenizer
+        try:  # the loader the engine uses (transformers.AutoTokenizer)
+            from dspark.tokenizer import HFTokenizer
 
-            tok = Tokenizer.from_file(str(json_path))
-        except Exception as e:  # tokenizers raises its own exception type
+            tok = HFTokenizer(json_path.parent).backend
+        except Exception as e:  # tokenizers and transformers raise their own exception types
             problems.append(
-                Problem(f"{json_path} cannot be loaded by the tokenizers library ({e})", "re-download the file")
+                Problem(f"{json_path} cannot be loaded by transformers.AutoTokenizer ({e})", "re-download the file")
             )
     config: dict[str, Any] = {}
     if config_path is not None:

@@ -16,6 +16,7 @@ import torch
 
 from dspark.cache.allocator import BlockManager, PageAllocator
 from dspark.cache.pool import CachePools
+from dspark.cache.state import StatePool
 from dspark.config import CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
 from dspark.engine.metrics import EngineMetrics
 from dspark.engine.request import Request, Status
@@ -116,7 +117,9 @@ class Engine:
         self.pool = self.pools.target
         self.blocks = BlockManager(PageAllocator(num_pages, ccfg.page_size))
         self.scheduler = Scheduler(self.blocks, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, self.K + 1)
-        self.runner = ModelRunner(target, self.drafter, self.blocks, self.pools)
+        spec = target.state_spec  # per-request recurrent state (KDA): one slot per running request
+        self.states = StatePool(spec, self.cfg.max_num_seqs) if spec is not None else None
+        self.runner = ModelRunner(target, self.drafter, self.blocks, self.pools, self.states)
         self.metrics = EngineMetrics(log_interval_s=self.cfg.log_stats_interval_s)
         self.adaptive = adaptive
         self.requests: dict[str, Request] = {}
@@ -125,8 +128,9 @@ class Engine:
 
     # ---- request API ---------------------------------------------------------------------------------
     def cache_report(self) -> dict[str, int | str | bool]:
-        """Page formats and bytes per token of the target's and drafter's pages (one shared pool when equal)."""
-        return self.pools.report()
+        """Page formats and bytes per token of the target's and drafter's pages (one shared pool when equal), and
+        the per-request state bytes of a stateful target (KDA layers)."""
+        return self.pools.report() | (self.states.report() if self.states is not None else {})
 
     @property
     def num_pages_free(self) -> int:
@@ -178,6 +182,8 @@ class Engine:
         with scope("step.schedule"):
             sched = self.scheduler.schedule()
         self.metrics.num_preemptions += len(sched.preempted)
+        for req in sched.preempted:  # recomputed from scratch when rescheduled
+            self.runner.release_state(req.request_id)
         if sched.prefills:
             self._isolated(self._prefill, sched.prefills, [c.request for c in sched.prefills])
         decodes = [r for r in sched.decodes if not r.finished]
@@ -228,6 +234,7 @@ class Engine:
         reqs = [c.request for c in chunks]
         tokens = [c.request.all_ids[c.start : c.end] for c in chunks]
         logits = self.runner.target_forward(reqs, [c.start for c in chunks], tokens, last_only=True)
+        self.runner.commit_states()
         first = [i for i, c in enumerate(chunks) if c.end == c.request.prefill_target and not c.request.output_ids]
         for c in chunks:
             c.request.num_computed = c.end
@@ -269,7 +276,8 @@ class Engine:
         for i, (r, ell) in enumerate(zip(reqs, lengths)):
             drafts = proposal.tokens[i, :ell].tolist() if proposal is not None else []
             rows.append([r.all_ids[r.num_computed], *drafts])
-        return self.runner.target_forward(reqs, [r.num_computed for r in reqs], rows, last_only=False)
+        starts = [r.num_computed for r in reqs]
+        return self.runner.target_forward(reqs, starts, rows, last_only=False, per_row_states=True)
 
     def _accept_and_commit(
         self,
@@ -289,6 +297,7 @@ class Engine:
                 padded = torch.nn.functional.pad(logits, (0, 0, 0, K + 1 - logits.shape[1]))
                 res = accept(proposal, torch.tensor(lengths), padded, sampling, rule)
                 accepted, nxt = res.num_accepted.tolist(), res.next_token.tolist()
+        self.runner.commit_states(accepted)  # the state after [anchor, accepted drafts]; rejected rows leave none
         with scope("step.commit"):
             self._commit(reqs, proposal, lengths, accepted, nxt)
 
@@ -334,6 +343,7 @@ class Engine:
         req.stop_reason = stop_reason
         req.finish_time = time.monotonic()
         self.scheduler.release(req)
+        self.runner.release_state(req.request_id)
         if reason not in ("abort", "error"):
             self.metrics.num_requests_finished += 1
         self._updated.append(req)

@@ -19,13 +19,19 @@ class SpecDecodingMetrics:
     verify_len_hist: Counter = field(default_factory=Counter)
     num_steps: int = 0
     verify_tokens: int = 0  # target rows verified (anchor + drafts), summed over steps
+    num_undrafted: int = 0  # request steps verified with no draft token (an n-gram miss, an adaptive L = 0)
 
     def record(self, verify_len: int, accepted: int) -> None:
+        """One request's verify step. As in vLLM, a step without draft tokens is not a draft (it would dilute
+        τ and the per-position rates); it still verifies one target row."""
+        self.verify_len_hist[verify_len] += 1
+        self.verify_tokens += verify_len + 1
+        if verify_len == 0:
+            self.num_undrafted += 1
+            return
         self.num_drafts += 1
         self.num_draft_tokens += verify_len
         self.num_accepted_tokens += accepted
-        self.verify_len_hist[verify_len] += 1
-        self.verify_tokens += verify_len + 1
         if len(self.accepted_per_pos) < verify_len:
             self.accepted_per_pos.extend([0] * (verify_len - len(self.accepted_per_pos)))
         for i in range(accepted):

@@ -12,6 +12,7 @@ import torch
 
 from dspark.cache.allocator import BlockManager
 from dspark.cache.pool import CachePools
+from dspark.cache.state import SlotStates, StatePool
 from dspark.engine.request import Request
 from dspark.models.drafter import DSparkDrafter
 from dspark.models.protocol import Target
@@ -37,6 +38,7 @@ class ModelRunner:
         drafter: DSparkDrafter | None,
         blocks: BlockManager,
         pools: CachePools,
+        states: StatePool | None = None,
     ) -> None:
         self.target = target
         self.drafter = drafter
@@ -45,6 +47,8 @@ class ModelRunner:
         self.draft_pool = pools.draft
         self.draft_layer_offset = pools.draft_layer_offset
         self.taps = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
+        self.states = states  # per-request recurrent state slots (targets with a state_spec)
+        self._pending: SlotStates | None = None  # the last forward's new states, installed by commit_states
 
     # ---- batch building ------------------------------------------------------------------------------
     def _page_table(self, reqs: Sequence[Request]) -> torch.Tensor:
@@ -75,19 +79,49 @@ class ModelRunner:
         mask = keys[None, None, :] <= positions[:, :, None]
         return Batch(ids, positions, write, read, mask, lengths)
 
+    # ---- recurrent state slots --------------------------------------------------------------------------
+    def _state_args(self, reqs: Sequence[Request], starts: Sequence[int], batch: Batch, per_row: bool) -> dict:
+        """The extra forward arguments of a stateful target: its states' view and each row's valid length.
+        A request whose rows start at 0 (new, or recomputed after preemption) starts from a zeroed slot."""
+        if self.states is None:
+            return {}
+        for req, start in zip(reqs, starts):
+            if start == 0:
+                self.states.acquire(req.request_id)
+        self._pending = self.states.view(self.states.slots([r.request_id for r in reqs]), keep_per_row=per_row)
+        return {"states": self._pending, "lengths": batch.lengths}
+
+    def commit_states(self, rows: Sequence[int] | None = None) -> None:
+        """Install the last forward's states: after each request's last row, or after row ``rows[b]`` (a
+        verification's accepted prefix: 0 = the anchor alone)."""
+        if self._pending is not None:
+            self._pending.commit(None if rows is None else torch.tensor(list(rows), dtype=torch.long))
+            self._pending = None
+
+    def release_state(self, request_id: str) -> None:
+        if self.states is not None:
+            self.states.release(request_id)
+
     # ---- forwards --------------------------------------------------------------------------------------
     @torch.inference_mode()
     def target_forward(
-        self, reqs: Sequence[Request], starts: Sequence[int], tokens: Sequence[Sequence[int]], last_only: bool
+        self,
+        reqs: Sequence[Request],
+        starts: Sequence[int],
+        tokens: Sequence[Sequence[int]],
+        last_only: bool,
+        per_row_states: bool = False,
     ) -> torch.Tensor:
         """Run the target on new tokens, write its latents, inject drafter context; return fp32 logits
-        [B, 1, V] at each request's last new row (last_only) or [B, T, V] at every row."""
+        [B, 1, V] at each request's last new row (last_only) or [B, T, V] at every row. A stateful target's new
+        states wait for ``commit_states`` (per_row_states: keep the state after every row, for verification)."""
         with scope("step.metadata"):
             batch = self.build(reqs, starts, tokens)
         store = self.pool.view(batch.write_slots, batch.read_slots)
         rows = (batch.lengths - 1)[:, None] if last_only else None
+        extra = self._state_args(reqs, starts, batch, per_row_states)
         with scope("target.forward"):
-            out = self.target(batch.ids, batch.positions, batch.mask, store, self.taps, logits_rows=rows)
+            out = self.target(batch.ids, batch.positions, batch.mask, store, self.taps, logits_rows=rows, **extra)
         if self.drafter is not None and out.taps is not None:
             assert self.draft_pool is not None
             draft_store = self.draft_pool.view(batch.write_slots, batch.read_slots, self.draft_layer_offset)

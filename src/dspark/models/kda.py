@@ -32,18 +32,31 @@ class KDAState:
     conv: torch.Tensor  # [B, K-1, 3·H·Dk] pre-conv projections of the last K-1 tokens (zeros before the start)
     recurrent: torch.Tensor  # [B, H, Dk, Dv] fp32
 
+    def pack(self) -> torch.Tensor:
+        """[..., numel] fp32: the recurrent matrices then the conv tail (the slot pool's flat layout)."""
+        lead = self.recurrent.shape[:-3]
+        return torch.cat((self.recurrent.reshape(*lead, -1), self.conv.float().reshape(*lead, -1)), -1)
+
+    @staticmethod
+    def unpack(flat: torch.Tensor, cfg: KDAConfig, conv_dtype: torch.dtype) -> KDAState:
+        H, Dk, K = cfg.num_heads, cfg.head_dim, cfg.conv_kernel_size
+        lead = flat.shape[:-1]
+        rec, conv = flat.split([H * Dk * Dk, (K - 1) * 3 * H * Dk], -1)
+        return KDAState(conv.reshape(*lead, K - 1, 3 * H * Dk).to(conv_dtype), rec.reshape(*lead, H, Dk, Dk))
+
 
 class StateStore(Protocol):
-    """Where KDA states live between forwards (a contiguous cache in tests, slots of a pool in the engine)."""
+    """Where KDA states live between forwards (a contiguous cache in tests, slots of a pool in the engine).
+    States are flat fp32 vectors (``KDAState.pack``), ``KDAConfig.state_numel`` values per layer."""
 
     keep_per_row: bool  # also hand write() the state after every row (verification)
 
-    def read(self, layer: int) -> KDAState | None:
-        """The states before this forward's first row (None: every row starts from zeros)."""
+    def read(self, layer: int) -> torch.Tensor | None:
+        """[B, numel] states before this forward's first row (None: every row starts from zeros)."""
         ...
 
-    def write(self, layer: int, final: KDAState, per_row: KDAState | None) -> None:
-        """final: the state after each row's last valid row; per_row: [B, T, ...] after every row (or None)."""
+    def write(self, layer: int, final: torch.Tensor, per_row: torch.Tensor | None) -> None:
+        """final [B, numel]: after each row's last valid row; per_row [B, T, numel]: after every row (or None)."""
         ...
 
 
@@ -52,13 +65,13 @@ class KDACache:
 
     def __init__(self, keep_per_row: bool = False) -> None:
         self.keep_per_row = keep_per_row
-        self.states: dict[int, KDAState] = {}
-        self.per_row: dict[int, KDAState] = {}
+        self.states: dict[int, torch.Tensor] = {}
+        self.per_row: dict[int, torch.Tensor] = {}
 
-    def read(self, layer: int) -> KDAState | None:
+    def read(self, layer: int) -> torch.Tensor | None:
         return self.states.get(layer)
 
-    def write(self, layer: int, final: KDAState, per_row: KDAState | None) -> None:
+    def write(self, layer: int, final: torch.Tensor, per_row: torch.Tensor | None) -> None:
         self.states[layer] = final
         if per_row is not None:
             self.per_row[layer] = per_row
@@ -213,8 +226,8 @@ class KimiDeltaAttention(nn.Module):
         cfg = self.cfg
         H, Dk = cfg.num_heads, cfg.head_dim
         lengths = torch.full((B,), T, dtype=torch.long, device=x.device) if lengths is None else lengths
-        prev = store.read(self.layer_idx) if store is not None else None
-        prev = self.empty_state(B, x.device) if prev is None else prev
+        flat = store.read(self.layer_idx) if store is not None else None
+        prev = self.empty_state(B, x.device) if flat is None else KDAState.unpack(flat, cfg, x.dtype)
         z = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), -1)
         mixed, tail, window = self.short_conv(z, prev.conv, lengths)
         q, k, v = (t.reshape(B, T, H, Dk).transpose(1, 2).float() for t in mixed.split(H * Dk, -1))
@@ -234,8 +247,8 @@ class KimiDeltaAttention(nn.Module):
             if per_row is not None:
                 K1 = cfg.conv_kernel_size - 1
                 tails = window.unfold(1, K1, 1)[:, 1:].transpose(-1, -2) if K1 else window[:, :0]
-                rows = KDAState(tails, per_row.transpose(1, 2))  # [B, T, K-1, 3W], [B, T, H, Dk, Dv]
-            store.write(self.layer_idx, KDAState(tail, final), rows)
+                rows = KDAState(tails, per_row.transpose(1, 2)).pack()  # [B, T, numel]
+            store.write(self.layer_idx, KDAState(tail, final).pack(), rows)
         gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, H, Dk)
         out = self.o_norm(o.transpose(1, 2).to(x.dtype), gate)
         return self.o_proj(out.reshape(B, T, H * Dk))

@@ -21,6 +21,7 @@ from dspark.models.k3 import AttnResStream, GatedMLP, K3MoE, ResidualStream, Res
 from dspark.models.kda import KimiDeltaAttention, StateStore
 from dspark.models.layers import RMSNorm, SwiGLU, causal_mask, no_empty_rows
 from dspark.models.mla import LatentStore, MLAttention
+from dspark.models.protocol import PageFormat, StateSpec
 from dspark.models.rope import RotaryEmbedding
 from dspark.models.target import MoE, TargetOutput
 
@@ -104,6 +105,17 @@ class KimiLinearTarget(nn.Module):
         if cfg.base.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.base.rope)
+
+    # the Target protocol ---------------------------------------------------------------------------
+    @property
+    def page_format(self) -> PageFormat:
+        """Only the MLA layers have pages (the shared latent format); KDA layers keep per-request state."""
+        return PageFormat("mla", self.config.mla.latent_dim, len(self.config.mla_layers))
+
+    @property
+    def state_spec(self) -> StateSpec:
+        """Every KDA layer's recurrent matrices + conv tail per request, flat fp32 (``KDAState.pack``)."""
+        return StateSpec(len(self.config.kda_layers), (self.config.kda.state_numel,), torch.float32)
 
     @property
     def num_layers(self) -> int:

@@ -91,7 +91,10 @@ class TargetOutput:
 
 
 class Target(Protocol):
-    """A target model as the engine drives it (implemented by MLATarget, LlamaTarget and HFTarget)."""
+    """A target model as the engine drives it (implemented by MLATarget, LlamaTarget, HFTarget and the hybrid
+    KimiLinearTarget). A target with a ``state_spec`` is also called with ``states`` (a view of its per-request
+    state slots, models/kda.py ``StateStore``) and ``lengths`` [B] (valid rows per request: padding rows must
+    leave the state untouched)."""
 
     config: TargetInfo
 

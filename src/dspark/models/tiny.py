@@ -8,8 +8,9 @@ from pathlib import Path
 
 import torch
 
-from dspark.config import RANDOM_WEIGHTS_KEY, DraftConfig, GQATargetConfig, RopeConfig, TargetConfig
+from dspark.config import RANDOM_WEIGHTS_KEY, DraftConfig, GQATargetConfig, KimiLinearConfig, RopeConfig, TargetConfig
 from dspark.models.drafter import DSparkDrafter
+from dspark.models.kimi_linear import KimiLinearTarget
 from dspark.models.llama import LlamaTarget
 from dspark.models.target import MLATarget
 
@@ -207,6 +208,60 @@ def build_tiny_gqa_pair(
     with torch.no_grad():  # peaked distributions, as in build_tiny_pair
         target.lm_head.weight.mul_(4.0)
     drafter = DSparkDrafter(draft_cfg or tiny_gqa_draft_config(tcfg))
+    randomize_(drafter, seed + 1)
+    drafter.attach(target.embed_tokens, target.lm_head)
+    return target.eval(), drafter.eval()
+
+
+# ---- hybrid KDA + MLA (Kimi Linear / K3-shaped) targets with the MLA drafter ----------------------------------
+
+
+def tiny_hybrid_config(k3: bool = True, vocab_size: int = 96, num_layers: int = 6) -> KimiLinearConfig:
+    """KDA and MLA layers 3:1-ish (MLA at 1-based 4 and the last); ``k3`` adds AttnRes (block 2), latent MoE, SiTU,
+    the KDA gate lower bound and the MLA output gate."""
+    full = sorted({4, num_layers})
+    lac = {"num_heads": 2, "head_dim": 8, "short_conv_kernel_size": 4, "full_attn_layers": full}
+    lac["kda_layers"] = [i for i in range(1, num_layers + 1) if i not in full]
+    d = {
+        "model_type": "kimi_linear",
+        "vocab_size": vocab_size,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 16,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 2,
+        "q_lora_rank": 24,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 8,
+        "mla_use_nope": True,
+        "num_experts": 4,
+        "num_experts_per_token": 2,
+        "num_shared_experts": 1,
+        "routed_scaling_factor": 1.5,
+        "max_position_embeddings": 512,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+        "linear_attn_config": lac,
+    }
+    if k3:
+        d |= {"hidden_act": "situ", "moe_latent_size": 12, "attn_res_block_size": 2, "mla_use_output_gate": True}
+        lac["gate_lower_bound"] = -5.0
+    return KimiLinearConfig.from_dict(d)
+
+
+def build_tiny_hybrid_pair(
+    seed: int = 0, target_cfg: KimiLinearConfig | None = None, draft_cfg: DraftConfig | None = None
+) -> tuple[KimiLinearTarget, DSparkDrafter]:
+    tcfg = target_cfg or tiny_hybrid_config()
+    dcfg = draft_cfg or tiny_draft_config(tcfg.base)
+    target = KimiLinearTarget(tcfg)
+    randomize_(target, seed)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(4.0)
+    drafter = DSparkDrafter(dcfg)
     randomize_(drafter, seed + 1)
     drafter.attach(target.embed_tokens, target.lm_head)
     return target.eval(), drafter.eval()

@@ -3,8 +3,49 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import os
+import sys
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from dspark.config import DTYPES, ConfigError, EngineConfig
+from dspark.serve.config import ServerConfig
+
+if TYPE_CHECKING:
+    from dspark.engine.engine import Engine
+
+API_KEY_ENV = "DSPARK_API_KEY"
+
+
+def resolve_api_key(flag: str | None, environ: Mapping[str, str]) -> str | None:
+    """--api-key, else $DSPARK_API_KEY (keeps the key out of `ps`); None when neither is set. An empty key is
+    refused by ``ServerConfig`` (it would silently disable authentication, e.g. ``--api-key "$UNSET_VAR"``)."""
+    return flag if flag is not None else environ.get(API_KEY_ENV)
+
+
+def bind_warning(host: str, api_key: str | None) -> str | None:
+    """A warning when the server is reachable from other machines without an API key."""
+    if api_key is not None or host == "localhost":
+        return None
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:
+        pass  # a host name: it may resolve to a public address
+    return (
+        f"warning: serving on {host} without an API key: anyone who can reach this address can use the model; "
+        f"set {API_KEY_ENV} (or --api-key), or bind 127.0.0.1"
+    )
+
+
+def server_config(args: argparse.Namespace, environ: Mapping[str, str]) -> ServerConfig:
+    return ServerConfig(
+        api_key=resolve_api_key(args.api_key, environ),
+        served_model_name=args.served_model_name,
+        max_request_bytes=args.max_request_bytes,
+        max_prompts_per_request=args.max_prompts_per_request,
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -12,18 +53,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from dspark.cli_common import default_spec, model_or_demo
-    from dspark.llm import build_engine
     from dspark.serve.app import create_app
 
+    config = server_config(args, os.environ)  # refuse a bad key or limit before loading the model
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(name)s %(message)s")
+    engine = _engine(args)
+    app = create_app(engine, config)
+    name = app.state.dspark.model_name
+    method = engine.spec.method if engine.spec is not None else "none"
+    print(f"dspark serve: model {name!r} (speculation: {method}) on http://{args.host}:{args.port}/v1", flush=True)
+    warning = bind_warning(args.host, config.api_key)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _engine(args: argparse.Namespace) -> Engine:
+    from dspark.cli_common import default_spec, model_or_demo
+    from dspark.llm import build_engine
+
     if args.model_positional is not None:
         if args.model is not None and args.model_positional != args.model:
             raise ConfigError(f"serve: MODEL {args.model_positional!r} and --model {args.model!r} differ; give one")
         args.model = args.model_positional
     model, demo = model_or_demo(args.model)
     spec = default_spec(args, model if demo else None)
-    engine = build_engine(
+    return build_engine(
         model,
         spec,
         dtype=args.dtype,
@@ -34,16 +90,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_waiting=args.max_waiting,
     )
-    app = create_app(engine, api_key=args.api_key, model_name=args.served_model_name)
-    name = app.state.dspark.model_name
-    method = engine.spec.method if engine.spec is not None else "none"
-    print(f"dspark serve: model {name!r} (speculation: {method}) on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    d = EngineConfig()
+    d, s = EngineConfig(), ServerConfig()
     p = sub.add_parser(
         "serve",
         help="OpenAI-compatible HTTP server (completions, chat, SSE streaming, /metrics)",
@@ -63,8 +113,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-spec", action="store_true", help="serve without speculative decoding")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on every route but /health (default: ${API_KEY_ENV}, which keeps "
+        "the key out of the process list; an empty key is refused)",
+    )
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: the model dir name)")
+    p.add_argument("--max-request-bytes", type=int, default=s.max_request_bytes, help="larger request bodies get 413")
+    p.add_argument(
+        "--max-prompts-per-request",
+        type=int,
+        default=s.max_prompts_per_request,
+        help="a /v1/completions request with more prompts gets 400",
+    )
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="requests batched together")
     p.add_argument("--max-waiting", type=int, default=d.max_waiting, help="queued requests before answering 503")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")

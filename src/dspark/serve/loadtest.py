@@ -112,21 +112,30 @@ async def _run(
         sem = asyncio.Semaphore(concurrency)
 
         async def job(i: int) -> _One:
-            body = {
-                "prompt": prompts[i % len(prompts)],
-                "max_tokens": max_tokens,
-                "temperature": temperature,
-                "ignore_eos": ignore_eos,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
             async with sem:
-                return await _one(client, url, body)
+                return await _one(client, url, _body(prompts[i % len(prompts)], max_tokens, temperature, ignore_eos))
 
         t0 = time.perf_counter()
         results = await asyncio.gather(*(job(i) for i in range(n)))
         wall = time.perf_counter() - t0
         after = scrape_spec_counters((await client.get(f"{url}/metrics")).text)
+    return _summary(concurrency, results, wall, before, after)
+
+
+def _body(prompt: str, max_tokens: int, temperature: float, ignore_eos: bool) -> dict:
+    return {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "ignore_eos": ignore_eos,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+def _summary(
+    concurrency: int, results: Sequence[_One], wall: float, before: dict[str, float], after: dict[str, float]
+) -> LoadTestResult:
     ok = [r for r in results if r.error is None]
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     tokens = sum(r.tokens for r in ok)
@@ -134,7 +143,7 @@ async def _run(
     accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
     return LoadTestResult(
         concurrency=concurrency,
-        num_requests=n,
+        num_requests=len(results),
         num_errors=len(results) - len(ok),
         wall_s=wall,
         output_tokens=tokens,

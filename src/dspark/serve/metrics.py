@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from dspark.engine.engine import Engine, RequestOutput
+from dspark.engine.metrics import SpecDecodingMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -98,57 +99,66 @@ class _EngineCollector:
 
     @staticmethod
     def _families(engine: Engine, name: str, by_reason: dict[str, int]) -> Iterator[Metric]:
-        m, s = engine.metrics, engine.metrics.spec
-
-        def counter(metric: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(metric, doc, labels=["model_name"])
-            c.add_metric([name], value)
-            return c
-
-        def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(metric, doc, labels=["model_name"])
-            g.add_metric([name], value)
-            return g
-
-        yield counter("vllm:prompt_tokens", "Prefill tokens received.", m.prompt_tokens)
-        yield counter("vllm:generation_tokens", "Tokens generated.", m.generation_tokens)
-        yield counter("vllm:num_preemptions", "Requests preempted (recomputed later).", m.num_preemptions)
+        m = engine.metrics
+        yield _counter(name, "vllm:prompt_tokens", "Prefill tokens received.", m.prompt_tokens)
+        yield _counter(name, "vllm:generation_tokens", "Tokens generated.", m.generation_tokens)
+        yield _counter(name, "vllm:num_preemptions", "Requests preempted (recomputed later).", m.num_preemptions)
         success = CounterMetricFamily(
             "vllm:request_success", "Finished requests by reason.", labels=["model_name", "finished_reason"]
         )
         for reason, n in sorted(by_reason.items()):
             success.add_metric([name, reason], n)
         yield success
-        yield gauge("vllm:num_requests_running", "Requests in the running batch.", len(engine.scheduler.running))
-        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", len(engine.scheduler.waiting))
+        running, waiting = len(engine.scheduler.running), len(engine.scheduler.waiting)
+        yield _gauge(name, "vllm:num_requests_running", "Requests in the running batch.", running)
+        yield _gauge(name, "vllm:num_requests_waiting", "Requests waiting to be scheduled.", waiting)
         used = 1.0 - engine.num_pages_free / engine.pool.num_pages
-        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache pages in use.", used)
-        if engine.K <= 0:
-            return
-        yield counter("vllm:spec_decode_num_drafts", "Speculative verification steps (drafts).", s.num_drafts)
-        yield counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", s.num_draft_tokens)
-        yield counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.num_accepted_tokens)
-        per_pos = CounterMetricFamily(
-            "vllm:spec_decode_num_accepted_tokens_per_pos",
-            "Accepted draft tokens by position.",
-            labels=["model_name", "position"],
-        )
-        counts = list(s.accepted_per_pos) + [0] * max(0, engine.K - len(s.accepted_per_pos))
-        for pos, n in enumerate(counts):
-            per_pos.add_metric([name, str(pos)], n)
-        yield per_pos
-        hist = HistogramMetricFamily(
-            "dspark:spec_decode_verify_len", "Drafts verified per request per step.", labels=["model_name"]
-        )
-        lens = dict(s.verify_len_hist)
-        cumulative, buckets = 0, []
-        for le in range(engine.K + 1):
-            cumulative += lens.get(le, 0)
-            buckets.append((str(float(le)), cumulative))
-        buckets.append(("+Inf", sum(lens.values())))
-        hist.add_metric([name], buckets, sum_value=float(sum(k * v for k, v in lens.items())))
-        yield hist
-        yield counter("dspark:spec_decode_verify_tokens", "Target rows verified (anchor + drafts).", s.verify_tokens)
-        yield counter("dspark:spec_decode_num_steps", "Engine decode steps with speculation.", s.num_steps)
-        tau = s.acceptance_length
-        yield gauge("dspark:spec_decode_mean_acceptance_length", "1 + accepted / drafts.", tau or 0.0)
+        yield _gauge(name, "vllm:kv_cache_usage_perc", "Fraction of KV cache pages in use.", used)
+        if engine.K > 0:
+            yield from _spec_families(engine.metrics.spec, engine.K, name)
+
+
+def _counter(name: str, metric: str, doc: str, value: float) -> CounterMetricFamily:
+    c = CounterMetricFamily(metric, doc, labels=["model_name"])
+    c.add_metric([name], value)
+    return c
+
+
+def _gauge(name: str, metric: str, doc: str, value: float) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(metric, doc, labels=["model_name"])
+    g.add_metric([name], value)
+    return g
+
+
+def _spec_families(s: SpecDecodingMetrics, K: int, name: str) -> Iterator[Metric]:
+    yield _counter(name, "vllm:spec_decode_num_drafts", "Speculative verification steps (drafts).", s.num_drafts)
+    yield _counter(name, "vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", s.num_draft_tokens)
+    yield _counter(name, "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.num_accepted_tokens)
+    per_pos = CounterMetricFamily(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "Accepted draft tokens by position.",
+        labels=["model_name", "position"],
+    )
+    counts = list(s.accepted_per_pos) + [0] * max(0, K - len(s.accepted_per_pos))
+    for pos, n in enumerate(counts):
+        per_pos.add_metric([name, str(pos)], n)
+    yield per_pos
+    yield _verify_len_histogram(s, K, name)
+    yield _counter(name, "dspark:spec_decode_verify_tokens", "Target rows verified (anchor + drafts).", s.verify_tokens)
+    yield _counter(name, "dspark:spec_decode_num_steps", "Engine decode steps with speculation.", s.num_steps)
+    tau = s.acceptance_length
+    yield _gauge(name, "dspark:spec_decode_mean_acceptance_length", "1 + accepted / drafts.", tau or 0.0)
+
+
+def _verify_len_histogram(s: SpecDecodingMetrics, K: int, name: str) -> HistogramMetricFamily:
+    hist = HistogramMetricFamily(
+        "dspark:spec_decode_verify_len", "Drafts verified per request per step.", labels=["model_name"]
+    )
+    lens = dict(s.verify_len_hist)
+    cumulative, buckets = 0, []
+    for le in range(K + 1):
+        cumulative += lens.get(le, 0)
+        buckets.append((str(float(le)), cumulative))
+    buckets.append(("+Inf", sum(lens.values())))
+    hist.add_metric([name], buckets, sum_value=float(sum(k * v for k, v in lens.items())))
+    return hist

@@ -1,16 +1,18 @@
 """OpenAI-compatible request/response models (pydantic; the only pydantic in dspark).
 
-Requests ignore unknown fields (as vLLM does); the fields dspark cannot honour (``logprobs``, ``echo``, ``n > 1``,
-``best_of > 1``) are declared so they can be rejected with a clear 400 instead of being silently dropped.
+Requests ignore unknown fields (as vLLM does) and use strict types (as vLLM does): ``"max_tokens": true`` or
+``"stream": "yes"`` are 400s, not coerced. Text must be valid Unicode (a lone surrogate such as ``"\ud800"`` is a
+400 naming the field). The fields dspark cannot honour (``logprobs``, ``echo``, ``n > 1``, ``best_of > 1``) are
+declared so they can be rejected with a clear 400 instead of being silently dropped.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 CHAT_DEFAULT_MAX_TOKENS = 256  # chat default, capped by what the context has left after the prompt
@@ -41,8 +43,23 @@ class ErrorResponse(BaseModel):
 # ---- requests ----------------------------------------------------------------------------------------------
 
 
+def _valid_unicode(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start : e.end].encode("unicode_escape").decode()
+        raise ValueError(
+            f"the text holds a lone surrogate ({bad}) at index {e.start}: send valid Unicode "
+            "(a surrogate pair or the character itself)"
+        ) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Request):
@@ -53,39 +70,42 @@ class StreamOptions(_Request):
 class _SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI names, plus vLLM's top_k/ignore_eos)."""
 
-    model: str | None = None
+    model: Text | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False  # vLLM extension: token_ids / prompt_token_ids on non-streaming choices
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Text | None = None
+
+
+CompletionPrompt = Text | list[Text] | list[int] | list[list[int]]
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: CompletionPrompt
     max_tokens: int | None = COMPLETIONS_DEFAULT_MAX_TOKENS
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
 
 
 class TextPart(_Request):
-    type: str
-    text: str | None = None
+    type: Text
+    text: Text | None = None
 
 
 class ChatMessage(_Request):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -97,14 +117,14 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class TokenizeRequest(_Request):
-    model: str | None = None
-    prompt: str | None = None
+    model: Text | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
 
 
 class DetokenizeRequest(_Request):
-    model: str | None = None
+    model: Text | None = None
     tokens: list[int]
 
 

@@ -1,0 +1,87 @@
+"""Recurrent-state slots beside the paged pool: one slot per running request holds a target's per-request state.
+
+The pool is ``[num_layers, num_slots, *StateSpec.shape]`` (for KDA: every KDA layer's recurrent matrices and conv
+tail, flat fp32). Nothing is written during a forward: a view collects the new states and ``commit`` installs them
+once the step's outcome is known. Prefill commits the state after each request's last row. Verification of
+``[anchor, d_1..d_L]`` keeps the state after every row (the chunkwise form yields them with no extra pass) and
+``commit(rows)`` installs the state after the accepted prefix, so rejected drafts leave no trace and nothing is
+recomputed. A preempted request gives its slot back and starts again from zeros when it is recomputed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.models.protocol import StateSpec
+
+
+class StatePool:
+    def __init__(self, spec: StateSpec, num_slots: int) -> None:
+        self.spec = spec
+        self.states = torch.zeros(spec.num_layers, num_slots, *spec.shape, dtype=spec.dtype or torch.float32)
+        self.free = list(range(num_slots - 1, -1, -1))
+        self.owner: dict[str, int] = {}
+
+    @property
+    def num_layers(self) -> int:
+        return self.spec.num_layers
+
+    @property
+    def num_slots(self) -> int:
+        return self.states.shape[1]
+
+    @property
+    def bytes_per_request(self) -> int:
+        return self.states[:, 0].numel() * self.states.element_size()
+
+    def acquire(self, request_id: str) -> int:
+        """The request's slot, zeroed (a new request, or one recomputed after preemption)."""
+        slot = self.owner.get(request_id)
+        if slot is None:
+            if not self.free:
+                raise RuntimeError(f"no free state slot for {request_id!r}: {self.num_slots} slots are all in use")
+            slot = self.owner[request_id] = self.free.pop()
+        self.states[:, slot] = 0
+        return slot
+
+    def release(self, request_id: str) -> None:
+        slot = self.owner.pop(request_id, None)
+        if slot is not None:
+            self.free.append(slot)
+
+    def slots(self, request_ids: list[str]) -> torch.Tensor:
+        return torch.tensor([self.owner[r] for r in request_ids], dtype=torch.long)
+
+    def view(self, slots: torch.Tensor, keep_per_row: bool = False) -> SlotStates:
+        return SlotStates(self, slots, keep_per_row)
+
+    def report(self) -> dict[str, int]:
+        return {"state_slots": self.num_slots, "state_bytes_per_request": self.bytes_per_request}
+
+
+class SlotStates:
+    """A batch's view of the pool (a ``StateStore``): reads the states of ``slots`` [B], collects new ones."""
+
+    def __init__(self, pool: StatePool, slots: torch.Tensor, keep_per_row: bool) -> None:
+        self.pool, self.slots, self.keep_per_row = pool, slots, keep_per_row
+        self.final: dict[int, torch.Tensor] = {}
+        self.rows: dict[int, torch.Tensor] = {}
+
+    def read(self, layer: int) -> torch.Tensor:
+        return self.pool.states[layer, self.slots]
+
+    def write(self, layer: int, final: torch.Tensor, per_row: torch.Tensor | None) -> None:
+        self.final[layer] = final
+        if self.keep_per_row:
+            assert per_row is not None, "keep_per_row views need the state after every row"
+            self.rows[layer] = per_row
+
+    def commit(self, rows: torch.Tensor | None = None) -> None:
+        """Install per request b the state after its row ``rows[b]`` (0 = the first new row), or after its last
+        valid row (rows None), in every layer."""
+        b = torch.arange(len(self.slots))
+        for layer, final in self.final.items():
+            new = final if rows is None else self.rows[layer][b, rows]
+            self.pool.states[layer, self.slots] = new.to(self.pool.states.dtype)
+        self.final.clear()
+        self.rows.clear()

@@ -1,0 +1,119 @@
+"""From a parsed request to engine inputs: prompt token ids, checked lengths and ``SamplingParams``.
+
+Chat prompts are ``apply_chat_template(messages, add_generation_prompt=True)`` of the model's tokenizer (its Jinja
+``chat_template`` from tokenizer_config.json), encoded without adding special tokens (the template places them).
+The functions here are synchronous and may be slow on long text: routes run them through ``ServerState.off_loop``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from jinja2 import TemplateError
+
+from dspark.config import ConfigError
+from dspark.engine.engine import Engine
+from dspark.sampling_params import SamplingParams
+from dspark.serve.errors import APIError
+from dspark.serve.protocol import ChatCompletionRequest, ChatMessage, CompletionPrompt, CompletionRequest
+
+EMPTY_PROMPT = "prompt is empty; give a non-empty string or a non-empty list of token ids"
+
+
+def encode_prompt(engine: Engine, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids exactly as AutoTokenizer gives them (``Engine.add_request`` of a string: special tokens added)."""
+    return engine.tokenizer.encode(text, add_special_tokens)
+
+
+def render_chat(engine: Engine, messages: Sequence[ChatMessage]) -> str:
+    turns = []
+    for i, m in enumerate(messages):
+        if isinstance(m.content, list):
+            bad = [p.type for p in m.content if p.type != "text"]
+            if bad:
+                raise APIError(
+                    400,
+                    f"messages[{i}].content: only 'text' parts are supported (got {bad[0]!r})",
+                    param=f"messages.{i}.content",
+                )
+            content = "".join(p.text or "" for p in m.content)
+        else:
+            content = m.content or ""
+        turns.append({"role": m.role, "content": content})
+    try:
+        return engine.tokenizer.apply_chat_template(turns)
+    except (ConfigError, TemplateError) as e:  # no chat template, or the template refuses these messages
+        raise APIError(400, f"messages: the model's chat template cannot render them ({e})", param="messages") from e
+
+
+def encode_chat(engine: Engine, messages: Sequence[ChatMessage]) -> list[int]:
+    return encode_prompt(engine, render_chat(engine, messages), add_special_tokens=False)  # the template's own
+
+
+def encode_completion_prompts(engine: Engine, prompt: CompletionPrompt, max_prompts: int) -> list[list[int]]:
+    """One token-id list per prompt of a completions request (a string, token ids, or a batch of either)."""
+    if isinstance(prompt, str) or (prompt and all(isinstance(x, int) for x in prompt)):
+        prompt = [prompt]  # type: ignore[list-item]
+    if len(prompt) > max_prompts:
+        raise APIError(
+            400,
+            f"{len(prompt)} prompts in one request; at most {max_prompts} (the server's --max-prompts-per-request): "
+            "split the batch over several requests",
+            param="prompt",
+        )
+    if not prompt or any(len(p) == 0 for p in prompt):
+        raise APIError(400, EMPTY_PROMPT, param="prompt")
+    return [encode_prompt(engine, p) if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[arg-type]
+
+
+def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
+    if req.n != 1:
+        raise APIError(400, f"n={req.n} is not supported: only n=1; send several requests instead", param="n")
+    if isinstance(req, CompletionRequest):
+        if req.best_of not in (None, 1):
+            raise APIError(400, f"best_of={req.best_of} is not supported: only 1", param="best_of")
+        if req.logprobs is not None:
+            raise APIError(400, "logprobs are not supported by the dspark server; omit 'logprobs'", param="logprobs")
+        if req.echo:
+            raise APIError(400, "echo is not supported by the dspark server; omit 'echo'", param="echo")
+        if req.suffix:
+            raise APIError(400, "suffix is not supported by the dspark server; omit 'suffix'", param="suffix")
+    elif req.logprobs or req.top_logprobs:
+        raise APIError(400, "logprobs are not supported by the dspark server; omit 'logprobs'", param="logprobs")
+
+
+def check_length(engine: Engine, n_prompt: int, max_tokens: int, prompt_param: str) -> None:
+    limit = engine.max_model_len
+    if n_prompt >= limit:
+        raise APIError(
+            400,
+            f"the prompt has {n_prompt} tokens but the model's context length is {limit} (and at least one token "
+            "must be generated); shorten the prompt",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    if max_tokens < 1:
+        raise APIError(400, f"max_tokens={max_tokens} is invalid: it must be at least 1", param="max_tokens")
+    if n_prompt + max_tokens > limit:
+        raise APIError(
+            400,
+            f"max_tokens={max_tokens} is too large: the prompt has {n_prompt} tokens and the model's context length "
+            f"is {limit}, so at most {limit - n_prompt} tokens can be generated; lower max_tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+
+
+def sampling_params_of(req: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k is None else req.top_k,
+        max_tokens=max_tokens,
+        seed=req.seed,
+        stop=tuple(stop),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        n=req.n,
+    )
