@@ -108,7 +108,8 @@ def build_engines(
             drafter = drafters[key]
         _check_pair(spec, drafter, draft_dir)
         adaptive = load_adaptive(spec, draft_dir, target_dir) if spec and spec.enable_adaptive_verification else None
-        engines.append(Engine(target, drafter, spec, ecfg, cache, tok, adaptive, target_dir, draft_dir))
+        ref = str(model) if model is not None else None
+        engines.append(Engine(target, drafter, spec, ecfg, cache, tok, adaptive, target_dir, draft_dir, ref))
     _default_threads(engines[0], f"{target_dir.name}|{dtype}|{sum(p.numel() for p in target.parameters())} params")
     return engines
 
