@@ -173,3 +173,9 @@ def test_absorbed_mla_weight_cache_follows_the_weights():
     with torch.no_grad():
         attn.kv_b_proj.weight.mul_(2.0)
     assert not torch.equal(before, after) and torch.equal(_logits(target, ids), before)
+
+
+def test_more_threads_must_win_by_the_margin():
+    assert threads.pick({1: 0.100, 2: 0.095}) == 1  # 5 % faster: not worth a barrier partner
+    assert threads.pick({1: 0.100, 2: 0.080, 4: 0.075}) == 2
+    assert threads.pick({1: 0.100, 2: 0.080, 4: 0.060}) == 4
