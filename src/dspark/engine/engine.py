@@ -244,6 +244,7 @@ class Engine:
             probabilistic=self.spec.draft_sample_method == "probabilistic",
             use_markov=self.spec.method == "dspark",
             topk=self.spec.dspark_draft_topk,
+            window=self.spec.draft_window,
         )
 
     def _verify_lengths(self, reqs: list[Request], proposal: Proposal | None) -> list[int]:

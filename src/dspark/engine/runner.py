@@ -135,15 +135,23 @@ class ModelRunner:
         probabilistic: bool,
         use_markov: bool,
         topk: int | None,
+        window: int | None = None,
     ) -> Proposal:
+        """One drafter block per request; with ``window`` the drafter reads only its last ``window`` context rows
+        (the target still attends to all of them)."""
         assert self.drafter is not None
         starts = [r.num_computed for r in reqs]
         anchors = torch.tensor([r.all_ids[s] for r, s in zip(reqs, starts)], dtype=torch.long)
-        read = self.context_slots(reqs, starts)
+        positions = torch.tensor(starts, dtype=torch.long)
+        if window is None:
+            read, rows = self.context_slots(reqs, starts), positions
+        else:
+            read, rows = self.window_slots(reqs, positions, window)
         assert self.draft_pool is not None
         context = self.draft_pool.view(read[:, :0], read, self.draft_layer_offset)  # read only: no new rows
-        positions = torch.tensor(starts, dtype=torch.long)
-        return draft_block(self.drafter, anchors, positions, context, sampling, probabilistic, use_markov, topk)
+        return draft_block(
+            self.drafter, anchors, positions, context, sampling, probabilistic, use_markov, topk, context_rows=rows
+        )
 
     def context_slots(self, reqs: Sequence[Request], ends: Sequence[int]) -> torch.Tensor:
         """[B, max(ends)] flat slots of positions 0..end-1 per request (scratch slot after its end)."""
@@ -151,6 +159,22 @@ class ModelRunner:
         for i, (req, end) in enumerate(zip(reqs, ends)):
             read[i, :end] = self._slot_map(req, end)
         return read
+
+    def window_slots(
+        self, reqs: Sequence[Request], ends: torch.Tensor, window: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last ``window`` positions before each end: (slots [B, S] left-aligned, scratch after the valid rows;
+        valid rows [B] = min(end, window)), with S = max rows. A fixed number of tensor ops for any batch size."""
+        page = self.pool.page_size
+        rows = ends.clamp(max=window)  # [B]
+        keys = torch.arange(int(rows.max()) if len(reqs) else 0)
+        tables = [self.blocks.table(r.request_id).pages for r in reqs]
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [self.pool.num_pages] * (width - len(t)) for t in tables], dtype=torch.long)
+        valid = keys[None, :] < rows[:, None]  # [B, S]
+        pos = torch.where(valid, (ends - rows)[:, None] + keys, 0)  # absolute positions end-rows..end-1
+        slots = table.gather(1, pos // page) * page + pos % page
+        return torch.where(valid, slots, self.pool.scratch_slot), rows
 
     @staticmethod
     def propose_ngram(reqs: Sequence[Request], k: int, min_n: int, max_n: int) -> Proposal:

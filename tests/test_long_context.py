@@ -1,0 +1,163 @@
+"""Long context on tiny pairs with small windows: chunked prefill == one-shot prefill (logits and every cached
+row, target and drafter layers), speculative greedy == target-only greedy on prompts longer than the original
+YaRN window (with chunked prefill in the engine, and with a bounded draft window)."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from dspark.cache.allocator import BlockManager, PageAllocator
+from dspark.cache.pool import CachePools
+from dspark.config import EngineConfig, SpeculativeConfig
+from dspark.engine.engine import Engine
+from dspark.engine.request import Request
+from dspark.engine.runner import ModelRunner
+from dspark.llm import LLM
+from dspark.models.tiny import build_tiny_gqa_pair, build_tiny_pair, tiny_draft_config, tiny_target_config
+from dspark.sampling_params import SamplingParams
+from dspark.spec.propose import SamplingTensors
+from dspark.spec.rng import round_counters
+
+ORIGINAL = 64  # the tiny pairs' original window; YaRN factor 8 stretches it to 512 positions
+
+
+def long_pair(seed: int = 0):
+    tcfg = tiny_target_config()
+    tcfg = replace(tcfg, rope=replace(tcfg.rope, factor=8.0, original_max_position_embeddings=ORIGINAL))
+    return build_tiny_pair(seed, tcfg, tiny_draft_config(tcfg))
+
+
+def _runner(target, drafter, num_pages=64, page=8):
+    fmt = drafter.page_format if drafter is not None else None
+    pools = CachePools.build(target.page_format, fmt, num_pages, page, torch.float32)
+    blocks = BlockManager(PageAllocator(num_pages, page))
+    return ModelRunner(target, drafter, blocks, pools), blocks, pools
+
+
+def _prefill(target, drafter, ids, chunk):
+    """Prefill ids in chunks of ``chunk`` rows (scrambled pages); → (logits [T, V], pool rows [L, T, W] per pool)."""
+    runner, blocks, pools = _runner(target, drafter)
+    req = Request("a", ids, SamplingParams(), 0)
+    blocks.ensure_capacity("decoy", 40)
+    blocks.ensure_capacity("a", len(ids))
+    blocks.release("decoy")
+    logits = []
+    for s in range(0, len(ids), chunk):
+        logits.append(runner.target_forward([req], [s], [ids[s : s + chunk]], last_only=False)[0])
+    slots = runner.context_slots([req], [len(ids)])[0]
+    pool_list = [pools.target] if pools.draft is None or pools.shared else [pools.target, pools.draft]
+    return torch.cat(logits), [p.pool[:, slots] for p in pool_list]
+
+
+@pytest.mark.parametrize("family", ["mla", "llama"])
+def test_chunked_prefill_equals_one_shot(family):
+    """A 200-token prompt (3× the original window) prefilled in chunks of 48 equals one pass: logits at every
+    row and the latent/KV rows of every target and drafter layer (the drafter's context injection included)."""
+    target, drafter = long_pair(0) if family == "mla" else build_tiny_gqa_pair(0)
+    ids = torch.randint(4, 96, (200,), generator=torch.Generator().manual_seed(5)).tolist()
+    one_logits, one_pages = _prefill(target, drafter, ids, len(ids))
+    chunk_logits, chunk_pages = _prefill(target, drafter, ids, 48)
+    torch.testing.assert_close(chunk_logits, one_logits, rtol=1e-5, atol=1e-5)
+    assert len(one_pages) == len(chunk_pages)
+    assert one_pages[0].shape[0] == target.page_format.num_layers + len(drafter.layers)
+    for a, b in zip(chunk_pages, one_pages):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        ref = target(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(one_logits, ref, rtol=1e-4, atol=1e-4)
+
+
+def _generate(target, drafter, spec, prompts, params, ecfg):
+    eng = Engine(target, drafter, spec, ecfg)
+    return [o.token_ids for o in LLM.from_engine(eng).generate(prompts, params)], eng
+
+
+def long_prompts(seed: int, n: int, lo: int = ORIGINAL + 10, hi: int = 4 * ORIGINAL):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(4, 96, (ln,), generator=g).tolist() for ln in lengths]
+
+
+@pytest.mark.parametrize("draft_window", [None, 16])
+def test_speculative_greedy_beyond_the_original_window(draft_window):
+    """Prompts of 74..255 tokens on a pair whose YaRN window is 64 (factor 8), prefilled in chunks of 40 tokens:
+    speculative greedy (DSpark and DFlash, 5 drafts) is token for token target-only greedy; a bounded draft
+    window changes only what the drafter sees, never the output."""
+    target, drafter = long_pair(1)
+    prompts = long_prompts(3, 4)
+    params = [SamplingParams(temperature=0, max_tokens=24 + 4 * i) for i in range(len(prompts))]
+    ecfg = EngineConfig(dtype="float32", max_num_seqs=4, max_num_batched_tokens=40)
+    ref, _ = _generate(target, None, None, prompts, params, ecfg)
+    for method, rule, draw in [("dspark", "block", "probabilistic"), ("dflash", "standard", "greedy")]:
+        spec = SpeculativeConfig(
+            method=method,
+            num_speculative_tokens=5,
+            rejection_sample_method=rule,
+            draft_sample_method=draw,
+            draft_window=draft_window,
+        )
+        got, eng = _generate(target, drafter, spec, prompts, params, ecfg)
+        assert got == ref, (method, draft_window)
+        assert eng.metrics.spec.num_drafts > 0
+
+
+def _draft(target, drafter, ids_list, window, corrupt_before=None):
+    """Prefill requests and propose one greedy drafter block each; optionally overwrite every cached drafter row
+    at positions < corrupt_before[b] with noise first. → drafted tokens [B, K], hidden-state proxy (confidence)."""
+    runner, blocks, pools = _runner(target, drafter)
+    reqs = [Request(f"r{i}", ids, SamplingParams(), 0) for i, ids in enumerate(ids_list)]
+    for r in reqs:
+        blocks.ensure_capacity(r.request_id, len(r.all_ids) + 8)
+        runner.target_forward([r], [0], [r.all_ids[:-1]], last_only=True)
+        r.num_computed = len(r.all_ids) - 1
+    if corrupt_before is not None:
+        g = torch.Generator().manual_seed(0)
+        for r, end in zip(reqs, corrupt_before):
+            slots = runner.context_slots([r], [end])[0]
+            layers = slice(pools.draft_layer_offset, None)
+            noise = torch.randn(pools.draft.pool[layers, slots].shape, generator=g)
+            pools.draft.pool[layers, slots] = noise
+    B = len(reqs)
+    sampling = SamplingTensors(
+        temperature=torch.zeros(B),
+        top_k=torch.zeros(B, dtype=torch.long),
+        top_p=torch.ones(B),
+        seeds=torch.zeros(B, dtype=torch.long),
+        counters=round_counters(torch.tensor([r.num_computed for r in reqs]), 6),
+    )
+    p = runner.propose_draft(reqs, sampling, probabilistic=False, use_markov=True, topk=None, window=window)
+    return p.tokens, p.confidence
+
+
+def test_draft_window_reads_only_the_last_w_context_rows():
+    """With draft_window W the drafter's proposal does not depend on cached rows older than the last W (they are
+    overwritten with noise and nothing changes), it does without a window, and W >= the context is no window."""
+    target, drafter = long_pair(2)
+    ids = long_prompts(4, 3, lo=30, hi=120)
+    W = 12
+    tok, conf = _draft(target, drafter, ids, W)
+    old = [max(0, len(x) - 1 - W) for x in ids]  # positions before each request's window
+    tok_c, conf_c = _draft(target, drafter, ids, W, corrupt_before=old)
+    assert torch.equal(tok, tok_c)
+    torch.testing.assert_close(conf, conf_c, rtol=0, atol=0)
+    _, conf_full_c = _draft(target, drafter, ids, None, corrupt_before=old)
+    _, conf_full = _draft(target, drafter, ids, None)
+    assert not torch.allclose(conf_full, conf_full_c)  # the unwindowed drafter reads those rows
+    _, conf_big = _draft(target, drafter, ids, 10_000)
+    torch.testing.assert_close(conf_big, conf_full, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("cfg", "match"),
+    [
+        ({"draft_window": 0}, "draft_window"),
+        ({"draft_window": 2.5}, "draft_window"),
+        ({"draft_window": True}, "draft_window"),
+        ({"method": "ngram", "draft_window": 64}, "n-gram has none"),
+    ],
+)
+def test_draft_window_is_validated(cfg, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig.from_dict(cfg)
+    assert SpeculativeConfig.from_dict({"draft_window": 256}).draft_window == 256
