@@ -106,6 +106,7 @@ def _draft(target, drafter, ids_list, window, corrupt_before=None):
     """Prefill requests and propose one greedy drafter block each; optionally overwrite every cached drafter row
     at positions < corrupt_before[b] with noise first. → drafted tokens [B, K], hidden-state proxy (confidence)."""
     runner, blocks, pools = _runner(target, drafter)
+    runner.draft_window = window
     reqs = [Request(f"r{i}", ids, SamplingParams(), 0) for i, ids in enumerate(ids_list)]
     for r in reqs:
         blocks.ensure_capacity(r.request_id, len(r.all_ids) + 8)
@@ -126,7 +127,7 @@ def _draft(target, drafter, ids_list, window, corrupt_before=None):
         seeds=torch.zeros(B, dtype=torch.long),
         counters=round_counters(torch.tensor([r.num_computed for r in reqs]), 6),
     )
-    p = runner.propose_draft(reqs, sampling, probabilistic=False, use_markov=True, topk=None, window=window)
+    p = runner.propose_draft(reqs, sampling, probabilistic=False, use_markov=True, topk=None)
     return p.tokens, p.confidence
 
 

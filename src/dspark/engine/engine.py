@@ -112,7 +112,8 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, self.K + 1)
         spec = target.state_spec  # per-request recurrent state (KDA): one slot per running request
         self.states = StatePool(spec, self.cfg.max_num_seqs) if spec is not None else None
-        self.runner = ModelRunner(target, self.drafter, self.blocks, self.pools, self.states)
+        window = self.spec.draft_window if self.spec is not None else None
+        self.runner = ModelRunner(target, self.drafter, self.blocks, self.pools, self.states, window)
         self.metrics = EngineMetrics(log_interval_s=self.cfg.log_stats_interval_s)
         self.adaptive = adaptive
         self.requests: dict[str, Request] = {}
@@ -244,7 +245,6 @@ class Engine:
             probabilistic=self.spec.draft_sample_method == "probabilistic",
             use_markov=self.spec.method == "dspark",
             topk=self.spec.dspark_draft_topk,
-            window=self.spec.draft_window,
         )
 
     def _verify_lengths(self, reqs: list[Request], proposal: Proposal | None) -> list[int]:

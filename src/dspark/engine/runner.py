@@ -38,6 +38,7 @@ class ModelRunner:
         blocks: BlockManager,
         pools: CachePools,
         states: StatePool | None = None,
+        draft_window: int | None = None,
     ) -> None:
         self.target = target
         self.drafter = drafter
@@ -46,6 +47,7 @@ class ModelRunner:
         self.draft_pool = pools.draft
         self.draft_layer_offset = pools.draft_layer_offset
         self.taps = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
+        self.draft_window = draft_window  # the drafter reads the last W context rows (None: all)
         self.states = states  # per-request recurrent state slots (targets with a state_spec)
         self._pending: SlotStates | None = None  # the last forward's new states, installed by commit_states
 
@@ -135,18 +137,17 @@ class ModelRunner:
         probabilistic: bool,
         use_markov: bool,
         topk: int | None,
-        window: int | None = None,
     ) -> Proposal:
-        """One drafter block per request; with ``window`` the drafter reads only its last ``window`` context rows
-        (the target still attends to all of them)."""
+        """One drafter block per request; with a draft window the drafter reads only its last ``draft_window``
+        context rows (the target still attends to all of them)."""
         assert self.drafter is not None
         starts = [r.num_computed for r in reqs]
         anchors = torch.tensor([r.all_ids[s] for r, s in zip(reqs, starts)], dtype=torch.long)
         positions = torch.tensor(starts, dtype=torch.long)
-        if window is None:
+        if self.draft_window is None:
             read, rows = self.context_slots(reqs, starts), positions
         else:
-            read, rows = self.window_slots(reqs, positions, window)
+            read, rows = self.window_slots(reqs, positions, self.draft_window)
         assert self.draft_pool is not None
         context = self.draft_pool.view(read[:, :0], read, self.draft_layer_offset)  # read only: no new rows
         return draft_block(
