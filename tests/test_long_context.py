@@ -162,3 +162,82 @@ def test_draft_window_is_validated(cfg, match):
     with pytest.raises(ValueError, match=match):
         SpeculativeConfig.from_dict(cfg)
     assert SpeculativeConfig.from_dict({"draft_window": 256}).draft_window == 256
+
+
+@pytest.mark.parametrize("family", ["mla", "llama-separate-pool"])
+def test_cache_report_for_a_16k_request_matches_the_pool_tensors(family):
+    """The bytes cache_report gives for a 16,384-token request are the bytes of that request's pages in the real
+    pool tensors (target layers, drafter layers); the separate-cache figure is per-head K and V of every drafter
+    layer (the MLA drafter's kv_b_proj output plus the rope key per head)."""
+    from dspark.cli import cache_report_lines
+    from dspark.config import CacheConfig
+    from dspark.models.tiny import tiny_gqa_config, tiny_gqa_draft_config
+
+    if family == "mla":
+        target, drafter = long_pair(0)
+    else:
+        tcfg = tiny_gqa_config()
+        target, drafter = build_tiny_gqa_pair(0, tcfg, tiny_gqa_draft_config(tcfg, share_pages=False))
+    N, page = 16_384 + 5, 16
+    eng = Engine(
+        target,
+        drafter,
+        SpeculativeConfig(method="dspark"),
+        EngineConfig(dtype="float32"),
+        CacheConfig(page_size=page, num_pages=N // page + 4),
+    )
+    rep = eng.cache_report(N)
+    eng.blocks.ensure_capacity("long", N)
+    pages = torch.tensor(eng.blocks.table("long").pages)
+    assert rep["request_pages"] == len(pages) == N // page + 1
+
+    def held(pool, layers):  # bytes of the request's pages in these layers of the real tensor
+        t = pool.pool.view(pool.num_layers, -1, page, pool.width)[layers][:, pages]
+        return t.numel() * t.element_size()
+
+    Lt = target.page_format.num_layers
+    assert rep["request_target_bytes"] == held(eng.pools.target, slice(0, Lt))
+    off = eng.pools.draft_layer_offset
+    assert rep["request_draft_bytes"] == held(eng.pools.draft, slice(off, off + len(drafter.layers)))
+    attn = drafter.layers[0].self_attn
+    if family == "mla":
+        per_head_kv = attn.kv_b_proj.out_features + attn.cfg.num_heads * attn.cfg.qk_rope_head_dim
+    else:
+        per_head_kv = attn.k_proj.out_features + attn.v_proj.out_features
+    assert rep["request_separate_draft_bytes"] == len(pages) * page * len(drafter.layers) * per_head_kv * 4
+    text = "\n".join(cache_report_lines(rep))
+    assert f"a {N}-token request: target latents" in text and "less)" in text
+
+
+def test_verify_lossless_at_context_depths(tmp_path, capsys):
+    """`dspark verify-lossless --context-depths` pads each prompt with real preceding code (the bench's padding) to
+    each depth and compares target-only with speculative output token by token; a depth the target cannot hold
+    is skipped with a message naming max_model_len, and only skipped depths is an error."""
+    import json
+    import re
+
+    from dspark.cli import main
+    from dspark.models.tiny import write_tiny_pair
+
+    target_dir, draft_dir = write_tiny_pair(tmp_path)
+    code = "".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n\n" for i in range(40))
+    sources = tmp_path / "sources.jsonl"
+    sources.write_text(json.dumps({"path": "a.py", "text": code}) + "\n" + json.dumps({"path": "b.py", "text": code}))
+    data = tmp_path / "prompts.jsonl"
+    rows = [
+        {"prompt": "def f7(x):\n", "path": "a.py", "line": 22},
+        {"prompt": "def g(y):\n", "path": "b.py", "line": 5},
+    ]
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    spec = json.dumps({"method": "dspark", "model": str(draft_dir), "num_speculative_tokens": 3})
+    argv = ["verify-lossless", "--dataset", str(data), "--model", str(target_dir), "--speculative-config", spec]
+    argv += ["--context-source", str(sources), "--max-tokens", "10"]
+    assert main([*argv, "--context-depths", "100,300,1024"]) == 0
+    out = capsys.readouterr().out
+    assert "depth 100: 2/2 prompts identical token by token" in out
+    assert "depth 300: 2/2 prompts identical token by token" in out
+    assert "context depth 1024: skipped" in out and "max_model_len 512" in out
+    lengths = [int(n) for n in re.findall(r"depth 300 prompt \d: identical \((\d+) prompt tokens", out)]
+    assert len(lengths) == 2 and all(300 - 40 < n <= 300 for n in lengths)  # padded to within a line of the depth
+    assert main([*argv, "--context-depths", "2048"]) == 1
+    assert "nothing was verified" in capsys.readouterr().err

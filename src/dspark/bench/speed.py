@@ -317,7 +317,7 @@ def _pages_needed(lengths: Sequence[int], concurrency: int, extra: int, page: in
 
 def run_bench(cfg: BenchConfig) -> BenchReport:
     """Build every method on one loaded target, then run all cells interleaved; see the module docstring."""
-    from dspark.bench.datasets import pad_prompts, read_bench_prompts, read_sources
+    from dspark.bench.datasets import depth_prompts, encode_prompt, read_bench_prompts, read_sources
     from dspark.models.loading import read_target_config
     from dspark.tokenizer import load_tokenizer
 
@@ -333,11 +333,7 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
         raise ConfigError(f"bench: --max-tokens {cfg.max_tokens} leaves no room for a prompt in {max_len} positions")
 
     def encode(text: str, chat: bool, limit: int = budget) -> tuple[int, ...]:
-        """Token ids as AutoTokenizer builds them (chat text holds its template's special tokens), keeping a
-        leading BOS and the last tokens if longer than limit."""
-        ids = tok.encode(text, add_special_tokens=not chat)
-        head = ids[:1] if ids[:1] == [tok.bos_token_id] else []
-        return tuple(head + ids[len(head) - limit :]) if len(ids) > limit else tuple(ids)
+        return encode_prompt(tok, text, chat, limit)
 
     prompts = read_bench_prompts(cfg.dataset, cfg.num_prompts, getattr(tok, "apply_chat_template", None))
     dataset = Path(cfg.dataset).name
@@ -354,8 +350,7 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
             if depth > budget:
                 notes.append(f"context depth {depth}: skipped (with --max-tokens it exceeds {max_len} positions)")
                 continue
-            texts = pad_prompts(few, depth - 1, lambda s: len(tok.encode(s)), sources)  # -1: room for BOS
-            padded = tuple(encode(t, p.is_chat, depth) for t, p in zip(texts, few))
+            padded = depth_prompts(few, depth, tok, sources)
             for t in cfg.temperatures:
                 depth_cells.append(Cell(f"{dataset}@ctx{depth}", t, min(cfg.concurrency), padded, True))
 
