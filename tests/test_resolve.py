@@ -132,8 +132,10 @@ def test_roster_and_check_accept_a_hub_id(caches, capsys: pytest.CaptureFixture[
     assert main(["roster", "Inferact/Kimi-K3-DSpark", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["num_params"] > 3_000_000_000 and len(out["tensors"]) == 68
-    assert main(["check", "Inferact/Does-Not-Exist"]) == 1
-    assert "huggingface-cli download Inferact/Does-Not-Exist" in capsys.readouterr().err
+    assert main(["check", "Inferact/Does-Not-Exist", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)  # still the check --json schema
+    assert report["ok"] is False and report["problems"][0]["check"] == "model-reference"
+    assert "huggingface-cli download Inferact/Does-Not-Exist" in report["problems"][0]["message"]
 
 
 def test_llm_and_spec_model_take_hub_ids(caches, tmp_path: Path):

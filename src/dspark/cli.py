@@ -6,9 +6,14 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dspark.cli_common import default_spec, model_or_demo
 from dspark.config import DTYPES, ConfigError
+
+if TYPE_CHECKING:
+    from dspark.doctor import CheckProblem
 
 # ---- roster ---------------------------------------------------------------------------------------------
 
@@ -43,13 +48,27 @@ def add_roster(sub: argparse._SubParsersAction) -> None:
 # ---- check ----------------------------------------------------------------------------------------------
 
 
-def cmd_check(args: argparse.Namespace) -> int:
-    from dspark.checkpoint.resolve import resolve_model_ref
-    from dspark.doctor import format_report, report_json, run_checks
+def _resolve_for_check(ref: str | None, role: str, problems: list[CheckProblem]) -> Path | None:
+    """A model reference's path; an unresolvable one becomes a problem of the report (so --json stays JSON)."""
+    from dspark.checkpoint.resolve import ModelNotFoundError, resolve_model_ref
+    from dspark.doctor import CheckProblem
 
-    draft = resolve_model_ref(args.draft_dir, role="check DRAFT")
-    target = resolve_model_ref(args.target, role="check --target") if args.target is not None else None
-    report = run_checks(draft, target)
+    if ref is None:
+        return None
+    try:
+        return resolve_model_ref(ref, role=role)
+    except ModelNotFoundError as e:
+        problems.append(CheckProblem("model-reference", str(e), "fetch it with one of the commands above"))
+        return None
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from dspark.doctor import CheckReport, format_report, report_json, run_checks
+
+    problems: list[CheckProblem] = []
+    draft = _resolve_for_check(args.draft_dir, "check DRAFT", problems)
+    target = _resolve_for_check(args.target, "check --target", problems)
+    report = CheckReport(tuple(problems), (), ()) if problems else run_checks(draft, target)
     if args.json:
         print(json.dumps(report_json(report)))
     else:
@@ -229,10 +248,12 @@ def cache_report_lines(c: dict) -> list[str]:
     """Page formats, bytes per token, and (when the report has them) the bytes of one long request: target
     latents, drafter latents on the same pages, and a separate conventional draft cache for comparison."""
     pages = f"{c['target_page_kind']} {c['target_width']}-wide"
-    if c["draft_page_kind"] and not c["shared_pool"]:
+    if c["shared_pool"]:
+        pages += " (target and draft layers share them)"
+    elif c["draft_page_kind"]:
         pages += f" + draft {c['draft_page_kind']} {c['draft_width']}-wide"
     lines = [
-        f"KV cache: {pages} pages of {c['page_size']} tokens ({'one shared pool' if c['shared_pool'] else 'pools'}); "
+        f"KV cache: {pages} pages of {c['page_size']} tokens; "
         f"bytes/token: target {c['target_bytes_per_token']}, draft {c['draft_bytes_per_token']}"
     ]
     if "request_tokens" in c and c["draft_page_kind"]:

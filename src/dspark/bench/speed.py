@@ -5,6 +5,10 @@ run by every method in turn, the starting method rotated by b, so slow drifts of
 alike. Each measurement records its wall time and the deltas of the engine's counters (generated tokens and the
 speculative-decoding counters); rows sum them. Speed-up = tokens/s of the method / tokens/s of ``ar`` in the same
 cell.
+
+vLLM (``--vllm-python``) runs afterwards, in phases of its own: our engines and the transformers model are freed
+first, then each vLLM method (plain, n-gram) starts, runs every cell alone and stops before the next one starts; it
+is fed exactly our prompt token ids. Its speed-up is against ``ar`` of the same cell, measured in the first phase.
 """
 
 from __future__ import annotations
@@ -361,14 +365,18 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
     for n in (n for n in names if n in VLLM_METHODS):
         labels += _measure_vllm(n, all_cells, measured, cfg, res, k, max_len, notes)
     rows = [r for cell, parts in zip(all_cells, measured) for r in rows_from_measurements(parts, cell)]
-    config = {
+    return BenchReport(_report_config(cfg, res, k, len(prompts), labels), rows, notes)
+
+
+def _report_config(cfg: BenchConfig, res: Resolved, k: int, num_prompts: int, labels: list[str]) -> dict[str, Any]:
+    return {
         "model": str(res.target_dir),
         "draft": str(res.draft_dir) if res.draft_dir else None,
         "dflash_draft": str(res.dflash_dir) if res.dflash_dir else None,
         "dflash_head_off": res.dflash_head_off,
         "demo_tiny_random_pair": res.demo,
         "dataset": str(cfg.dataset),
-        "num_prompts": len(prompts),
+        "num_prompts": num_prompts,
         "max_tokens": cfg.max_tokens,
         "temperatures": list(cfg.temperatures),
         "concurrency": list(cfg.concurrency),
@@ -382,7 +390,6 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
         "interleaving": "round-robin over batches, start method rotated per batch; each vLLM method afterwards, "
         "alone (our engines freed, one vLLM instance at a time)",
     }
-    return BenchReport(config, rows, notes)
 
 
 Parts = dict[str, list[Measurement]]

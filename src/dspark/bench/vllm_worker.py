@@ -49,6 +49,39 @@ def isolate() -> None:
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
 
 
+def load_llm(init):
+    """vllm.LLM on the target dir; no tokenizer (prompts arrive as token ids), stats on for the spec counters."""
+    from vllm import LLM
+
+    kwargs = {
+        "model": init["model"],
+        "skip_tokenizer_init": True,
+        "dtype": init.get("dtype", "bfloat16"),
+        "seed": init.get("seed", 0),
+        "enforce_eager": True,
+        "disable_log_stats": False,
+    }
+    if init.get("max_model_len"):
+        kwargs["max_model_len"] = init["max_model_len"]
+    if init.get("speculative_config"):
+        kwargs["speculative_config"] = init["speculative_config"]
+    return LLM(**kwargs)
+
+
+def answer(llm, msg):
+    """One request: generate from exactly the given token ids; tokens, wall time and the spec counters."""
+    from vllm import SamplingParams
+
+    keys = ("temperature", "top_p", "top_k", "max_tokens", "ignore_eos", "seed")
+    sp = SamplingParams(**{k: msg[k] for k in keys})
+    prompts = [{"prompt_token_ids": ids} for ids in msg["prompts"]]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"output_tokens": tokens, "wall_s": wall, "spec": spec_counters(llm)}
+
+
 def main():
     isolate()
     init = json.loads(sys.argv[1])
@@ -61,49 +94,22 @@ def main():
         proto.flush()
 
     try:
-        from vllm import LLM, SamplingParams
-
-        kwargs = {
-            "model": init["model"],
-            "skip_tokenizer_init": True,
-            "dtype": init.get("dtype", "bfloat16"),
-            "seed": init.get("seed", 0),
-            "enforce_eager": True,
-            "disable_log_stats": False,
-        }
-        if init.get("max_model_len"):
-            kwargs["max_model_len"] = init["max_model_len"]
-        if init.get("speculative_config"):
-            kwargs["speculative_config"] = init["speculative_config"]
-        llm = LLM(**kwargs)
+        llm = load_llm(init)
     except Exception as e:
         send({"error": f"{type(e).__name__}: {e}"})
         return 1
     send({"ready": True, "spec": spec_counters(llm)})
     for line in sys.stdin:
-        if not line.strip():
-            continue
-        msg = json.loads(line)
+        msg = json.loads(line) if line.strip() else {}
         if msg.get("cmd") == "exit":
             break
+        if not msg:
+            continue
         try:
-            sp = SamplingParams(
-                temperature=msg["temperature"],
-                top_p=msg["top_p"],
-                top_k=msg["top_k"],
-                max_tokens=msg["max_tokens"],
-                ignore_eos=msg["ignore_eos"],
-                seed=msg["seed"],
-            )
-            prompts = [{"prompt_token_ids": ids} for ids in msg["prompts"]]
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, sp, use_tqdm=False)
-            wall = time.perf_counter() - t0
+            send(answer(llm, msg))
         except Exception as e:
             send({"error": f"{type(e).__name__}: {e}"})
             return 1
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        send({"output_tokens": tokens, "wall_s": wall, "spec": spec_counters(llm)})
     return 0
 
 

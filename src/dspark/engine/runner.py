@@ -13,6 +13,7 @@ import torch
 from dspark.cache.allocator import BlockManager
 from dspark.cache.pool import CachePools
 from dspark.cache.state import SlotStates, StatePool
+from dspark.config import ConfigError
 from dspark.engine.request import Request
 from dspark.models.drafter import DSparkDrafter
 from dspark.models.protocol import Target
@@ -48,6 +49,14 @@ class ModelRunner:
         self.draft_layer_offset = pools.draft_layer_offset
         self.taps = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
         self.draft_window = draft_window  # the drafter reads the last W context rows (None: all)
+        stream = drafter.config.aux_hidden_stream if drafter is not None else None
+        if stream is not None and stream not in target.tap_streams:
+            raise ConfigError(
+                f"draft config: key 'aux_hidden_stream' = {stream!r} is invalid: this target's taps can read "
+                f"{list(target.tap_streams)}; drop the key or use one of them"
+            )
+        # the drafter's stream, passed only when it is not the target's default (K3: "prefix")
+        self.tap_args = {"tap_stream": stream} if stream is not None and stream != target.tap_streams[0] else {}
         self.states = states  # per-request recurrent state slots (targets with a state_spec)
         self._pending: SlotStates | None = None  # the last forward's new states, installed by commit_states
 
@@ -121,6 +130,7 @@ class ModelRunner:
         store = self.pool.view(batch.write_slots, batch.read_slots)
         rows = (batch.lengths - 1)[:, None] if last_only else None
         extra = self._state_args(reqs, starts, batch, per_row_states)
+        extra |= self.tap_args
         out = self.target(batch.ids, batch.positions, batch.mask, store, self.taps, logits_rows=rows, **extra)
         if self.drafter is not None and out.taps is not None:
             assert self.draft_pool is not None

@@ -36,6 +36,8 @@ class HFTargetInfo:
 class HFTarget(nn.Module):
     """A transformers causal LM behind the ``Target`` protocol (token-id pages, prefix recompute)."""
 
+    tap_streams = ("residual",)  # what a tap can read: the output of its decoder layer
+
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model

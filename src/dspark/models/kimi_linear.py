@@ -118,6 +118,10 @@ class KimiLinearTarget(nn.Module):
         return StateSpec(len(self.config.kda_layers), (self.config.kda.state_numel,), torch.float32)
 
     @property
+    def tap_streams(self) -> tuple[str, ...]:
+        return self.config.tap_streams
+
+    @property
     def num_layers(self) -> int:
         return self.config.num_hidden_layers
 

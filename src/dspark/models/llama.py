@@ -101,6 +101,8 @@ class _Backbone(nn.Module):
 class LlamaTarget(nn.Module):
     """Llama / Qwen2 / Qwen3 decoder over a batch of sequences with a paged K/V cache (a ``Target``)."""
 
+    tap_streams = ("residual",)  # what a tap can read: the output of its decoder layer
+
     def __init__(self, cfg: GQATargetConfig) -> None:
         super().__init__()
         self.config = cfg

@@ -29,6 +29,7 @@ from dspark.config import (
 )
 from dspark.models.drafter import DSparkDrafter
 from dspark.models.hf_target import HFTarget
+from dspark.models.k3 import K3MoE
 from dspark.models.kimi_linear import HybridLayer, KimiLinearTarget, checkpoint_name
 from dspark.models.llama import LlamaTarget
 from dspark.models.protocol import Target
@@ -200,12 +201,18 @@ def _kimi_rename(cfg: KimiLinearConfig, dense_prefix: str = "block_sparse_moe"):
 
 def load_kimi_linear(path: str | Path, dtype: str | torch.dtype = "float32") -> KimiLinearTarget:
     """Load a ``kimi_linear`` directory (transformers' save_pretrained output or Moonshot's layout) unchanged."""
-    cfg = KimiLinearConfig.load(path)
+    path = Path(path)
+    return load_hybrid_target(path, read_json(path), torch_dtype(dtype))
+
+
+def load_hybrid_target(path: Path, d: Mapping[str, Any], dtype: torch.dtype) -> KimiLinearTarget:
+    """The ``kimi_linear`` family (KDA + MLA; K3's additions behind their config keys)."""
+    cfg = KimiLinearConfig.from_dict(d, source=str(path / "config.json"))
     model = KimiLinearTarget(cfg)
     load_module_strict(model, path, rename=_kimi_rename(cfg, _dense_prefix(path, cfg)))
-    model.to(torch_dtype(dtype))
+    model.to(dtype)
     for layer in model.model.layers:  # router, correction bias and the KDA decay parameters stay fp32
-        if isinstance(layer.mlp, MoE):
+        if isinstance(layer.mlp, MoE | K3MoE):
             layer.mlp.gate.float()
         if layer.is_kda:
             layer.self_attn.A_log.data = layer.self_attn.A_log.data.float()
@@ -223,6 +230,9 @@ def save_kimi_linear(model: KimiLinearTarget, path: str | Path, dtype: str | tor
     if dtype:
         d["torch_dtype"] = str(torch_dtype(dtype)).removeprefix("torch.")
     (path / "config.json").write_text(json.dumps(d, indent=2))
+
+
+TARGET_FAMILIES["kimi_linear"] = load_hybrid_target
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -284,12 +294,14 @@ def save_drafter(
     (path / "config.json").write_text(json.dumps(d, indent=2))
 
 
-def read_target_config(path: str | Path) -> TargetConfig | GQATargetConfig:
+def read_target_config(path: str | Path) -> TargetConfig | GQATargetConfig | KimiLinearConfig:
     """A target's config.json as its family's config (the fields every family shares: vocab, eos, context...)."""
     d = read_json(path)
     source = str(Path(path) / "config.json" if Path(path).is_dir() else path)
     if d.get("model_type") in GQA_MODEL_TYPES:
         return GQATargetConfig.from_dict(d, source=source)
+    if d.get("model_type") == "kimi_linear":
+        return KimiLinearConfig.from_dict(d, source=source)
     return TargetConfig.from_dict(d, source=source)
 
 

@@ -105,6 +105,12 @@ class Target(Protocol):
     def state_spec(self) -> StateSpec | None: ...
 
     @property
+    def tap_streams(self) -> tuple[str, ...]:
+        """Streams a tap can read, the default first ("residual"; AttnRes targets: "prefix", "residual"). A
+        target with more than one is also called with ``tap_stream``."""
+        ...
+
+    @property
     def embed_tokens(self) -> nn.Embedding: ...
 
     @property

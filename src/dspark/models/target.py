@@ -109,6 +109,8 @@ class _Backbone(nn.Module):
 class MLATarget(nn.Module):
     """DeepSeek-V3 / Kimi-K2 decoder over a batch of sequences with a shared latent store."""
 
+    tap_streams = ("residual",)  # what a tap can read: the output of its decoder layer
+
     def __init__(self, cfg: TargetConfig) -> None:
         super().__init__()
         self.config = cfg

@@ -265,3 +265,15 @@ def build_tiny_hybrid_pair(
     randomize_(drafter, seed + 1)
     drafter.attach(target.embed_tokens, target.lm_head)
     return target.eval(), drafter.eval()
+
+
+def write_tiny_hybrid_pair(directory: str | Path, seed: int = 0, **kw) -> tuple[Path, Path]:
+    """Save a tiny random hybrid pair as ``<dir>/target`` (kimi_linear) and ``<dir>/draft``."""
+    from dspark.models.loading import save_drafter, save_kimi_linear
+
+    directory = Path(directory)
+    target, drafter = build_tiny_hybrid_pair(seed, **kw)
+    save_kimi_linear(target, directory / "target")
+    save_drafter(drafter, directory / "draft", dtype="float32")
+    mark_random_weights(directory / "target")
+    return directory / "target", directory / "draft"

@@ -35,19 +35,24 @@ class ServerState:
         self.async_engine = AsyncEngine(engine)
         self.metrics = ServerMetrics(engine, self.model_name, self.async_engine.lock)
         self.async_engine.on_outputs = self.metrics.record
-        # tokenizing (and chat templating) a long prompt takes seconds: never on the event loop. One thread, because
-        # a fast tokenizer may not be entered from two threads at once.
-        self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="dspark-tokenize")
+        self._tokenizer_thread: ThreadPoolExecutor | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.async_engine.start(loop)
 
     def shutdown(self) -> None:
         self.async_engine.shutdown()
-        self.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+        if self._tokenizer_thread is not None:
+            self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+            self._tokenizer_thread = None
 
     async def off_loop(self, fn: Callable[..., T], *args: object) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, *args)
+        """Run fn on the tokenizer thread: tokenizing (and chat templating) a long prompt takes seconds, and the
+        event loop must keep answering other clients and /health meanwhile. One thread, because a fast tokenizer
+        may not be entered from two threads at once."""
+        if self._tokenizer_thread is None:
+            self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="dspark-tokenize")
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, *args)
 
     def check_model(self, model: str | None) -> None:
         root = str(self.engine.model_dir or "")
