@@ -241,3 +241,40 @@ def test_verify_lossless_at_context_depths(tmp_path, capsys):
     assert len(lengths) == 2 and all(300 - 40 < n <= 300 for n in lengths)  # padded to within a line of the depth
     assert main([*argv, "--context-depths", "2048"]) == 1
     assert "nothing was verified" in capsys.readouterr().err
+
+
+def test_bench_draft_window_adds_a_windowed_dspark_row(tmp_path):
+    """`dspark bench --draft-window W` measures 'dspark-window' next to dspark in the same interleaved run (τ and
+    speed per cell, the window in the report's config); asking for the method without a window is an error."""
+    import json
+
+    from dspark.bench.speed import BenchConfig, run_bench
+    from dspark.config import ConfigError
+    from dspark.models.tiny import write_tiny_pair
+
+    target_dir, draft_dir = write_tiny_pair(tmp_path / "pair")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "def f(x):\n"}) + "\n")
+    cfg = BenchConfig(
+        str(data),
+        str(target_dir),
+        str(draft_dir),
+        num_prompts=1,
+        max_tokens=6,
+        baselines=("dspark",),
+        num_speculative_tokens=3,
+        context_depths=(120,),
+        context_prompts=1,
+        dtype="float32",
+        draft_window=16,
+        ignore_eos=True,
+        progress=False,
+        warmup=False,
+    )
+    report = run_bench(cfg)
+    assert report.config["draft_window"] == 16
+    rows = {(r.name, r.dataset) for r in report.results}
+    assert {("dspark-window", "prompts.jsonl@ctx120"), ("dspark", "prompts.jsonl@ctx120")} <= rows
+    assert all(r.acceptance_length is not None for r in report.results if r.name.startswith("dspark"))
+    with pytest.raises(ConfigError, match="needs --draft-window"):
+        BenchConfig(str(data), baselines=("dspark-window",))

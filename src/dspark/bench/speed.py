@@ -28,7 +28,7 @@ from dspark.config import ConfigError, DraftConfig, SpeculativeConfig, TargetCon
 from dspark.sampling_params import SamplingParams
 
 AR = "ar"
-ENGINE_METHODS = ("ar", "dspark", "dflash", "ngram", "dspark-adaptive")
+ENGINE_METHODS = ("ar", "dspark", "dflash", "ngram", "dspark-adaptive", "dspark-window")
 HF_METHODS = ("hf-generate", "hf-prompt-lookup")
 VLLM_METHODS = ("vllm", "vllm-ngram")
 ALL_METHODS = ENGINE_METHODS + HF_METHODS + VLLM_METHODS
@@ -37,6 +37,7 @@ ALWAYS_MEASURED = (AR, "dspark")  # --baselines lists the methods to compare aga
 DISPLAY_ORDER = (
     "ar",
     "dspark",
+    "dspark-window",
     "dspark-adaptive",
     "dflash",
     "ngram",
@@ -184,6 +185,7 @@ class BenchConfig:
     context_depths: tuple[int, ...] = ()
     context_prompts: int = 4
     context_source: str | None = None  # corpus-format JSONL (default: the committed held-out sources)
+    draft_window: int | None = None  # adds 'dspark-window': dspark with the drafter reading the last W context tokens
     dtype: str = "bfloat16"
     seed: int = 0
     ignore_eos: bool = False
@@ -201,6 +203,10 @@ class BenchConfig:
             raise ConfigError(f"bench: --context-depths must be positive token counts, got {list(self.context_depths)}")
         if self.max_tokens < 1:
             raise ConfigError(f"bench: --max-tokens must be >= 1, got {self.max_tokens}")
+        if self.draft_window is not None and self.draft_window < 1:
+            raise ConfigError(f"bench: --draft-window must be a positive token count, got {self.draft_window}")
+        if "dspark-window" in (self.baselines or ()) and self.draft_window is None:
+            raise ConfigError("bench: method 'dspark-window' needs --draft-window W")
         unknown = sorted(set(self.baselines or ()) - set(ALL_METHODS))
         if unknown:
             raise ConfigError(f"bench: unknown method(s) {unknown}; choose from {list(ALL_METHODS)}")
@@ -263,7 +269,7 @@ def method_names(cfg: BenchConfig, res: Resolved, notes: list[str]) -> list[str]
     our ngram, so that the two n-gram proposers sit side by side."""
     names = [AR]
     if res.draft_dir is not None:
-        names.append("dspark")
+        names += ["dspark"] + (["dspark-window"] if cfg.draft_window is not None else [])
     else:
         notes.append("dspark: skipped (no drafter for this target; pass --draft DIR)")
     listed = list(cfg.baselines) if cfg.baselines is not None else _applicable(cfg, res, notes)
@@ -295,7 +301,7 @@ def _calibration_file(res: Resolved) -> Path | None:
     return None
 
 
-def _spec_for(name: str, res: Resolved, k: int) -> dict[str, Any] | None:
+def _spec_for(name: str, res: Resolved, k: int, window: int | None = None) -> dict[str, Any] | None:
     if name == AR:
         return None
     if name == "ngram":
@@ -307,6 +313,8 @@ def _spec_for(name: str, res: Resolved, k: int) -> dict[str, Any] | None:
     spec = {"method": "dspark", "model": str(res.draft_dir), "num_speculative_tokens": k}
     if name == "dspark-adaptive":
         spec["enable_adaptive_verification"] = True
+    if name == "dspark-window":
+        spec["draft_window"] = window
     return spec
 
 
@@ -384,6 +392,7 @@ def _report_config(cfg: BenchConfig, res: Resolved, k: int, num_prompts: int, la
         "num_speculative_tokens": k,
         "context_depths": list(cfg.context_depths),
         "context_prompts": cfg.context_prompts,
+        "draft_window": cfg.draft_window,
         "dtype": cfg.dtype,
         "seed": cfg.seed,
         "ignore_eos": cfg.ignore_eos,
@@ -407,7 +416,7 @@ def _measure_ours(
     num_pages = max([_pages_needed([len(p) for p in c.prompts], c.concurrency, extra, page) for c in cells])
     engines = build_engines(
         res.target_dir,
-        [_spec_for(n, res, k) for n in engine_names],
+        [_spec_for(n, res, k, cfg.draft_window) for n in engine_names],
         dtype=cfg.dtype,
         max_num_seqs=max(cfg.concurrency),
         num_pages=num_pages + max(cfg.concurrency),
