@@ -371,6 +371,7 @@ def test_vllm_worker_is_isolated_gets_a_kv_space_and_our_exact_prompt_ids(tmp_pa
     assert Path(init["profile"]).resolve() == Path(profile.__file__).resolve()
     assert init["kv_space"] == "1" and init["kw"]["skip_tokenizer_init"] is True
     assert gen["prompts"] == [{"prompt_token_ids": p} for p in prompts]
+    assert not Path(m.log.name).exists()  # a clean exit leaves no log file behind
     m = VLLMMethod("vllm", sys.executable, tmp_path, None, "float32", env=env, kv_space_gib=3)
     m.close()
     assert _fake_log(log)[-1]["kv_space"] == "3"

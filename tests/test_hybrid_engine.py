@@ -167,3 +167,28 @@ def test_drafter_picks_the_tap_stream():
     mla_drafter.config = replace(mla_drafter.config, aux_hidden_stream="prefix")
     with pytest.raises(ConfigError, match="aux_hidden_stream"):
         Engine(mla_target, mla_drafter, spec, FP32)
+
+
+def test_greedy_adaptive_verification_equals_target_only(tmp_path):
+    """Confidence-scheduled verify lengths (Algorithm 1) vary per request and round: each commits its own prefix."""
+    import warnings
+
+    from dspark.llm import build_engines
+    from dspark.models.tiny import write_tiny_hybrid_pair
+    from dspark.spec.schedule import default_cost_model, save_sts
+
+    k = 5
+    target_dir, draft_dir = write_tiny_hybrid_pair(tmp_path, seed=2)
+    save_sts(draft_dir / "sts_calibration.json", [0.4] * k)
+    cost = default_cost_model(base_ms=50.0, per_token_ms=0.2, per_request_ms=0.05, max_tokens=512, batch_sizes=(1, 64))
+    cost.save(target_dir / "sps_profile.json")
+    spec = {"method": "dspark", "model": str(draft_dir), "num_speculative_tokens": k}
+    spec |= {"enable_adaptive_verification": True, "draft_sample_method": "probabilistic"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        adaptive, plain = build_engines(target_dir, [spec, None], dtype="float32", max_num_seqs=8)
+    prompts = prompts_for(2, 5)
+    params = [SamplingParams(temperature=0, max_tokens=8 + 3 * i, ignore_eos=True) for i in range(5)]
+    ref = [o.token_ids for o in LLM.from_engine(plain).generate(prompts, params)]
+    assert [o.token_ids for o in LLM.from_engine(adaptive).generate(prompts, params)] == ref
+    assert len(set(adaptive.metrics.spec.verify_len_hist)) >= 2  # lengths vary

@@ -257,3 +257,5 @@ class VLLMMethod:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+        if self.proc.returncode == 0:  # a clean exit: nothing in the log to look at (errors keep theirs)
+            Path(self.log.name).unlink(missing_ok=True)
