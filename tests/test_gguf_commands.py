@@ -90,3 +90,16 @@ def test_draft_data_and_train_draft_on_a_gguf(gguf_pair):
     assert main([*train, "--out-dir", str(tmp / "trained")]) == 0
     config = json.loads((tmp / "trained" / "export" / "config.json").read_text())
     assert config["architectures"] == ["Qwen3DSparkModel"] and config["num_key_value_heads"] == 2
+
+
+def test_served_model_name_is_the_reference_as_given(gguf_pair):
+    """`dspark serve --model X.gguf` (or an alias) answers to that name, not to the cache directory's."""
+    from dspark.engine.engine import Engine
+    from dspark.llm import build_engine
+    from dspark.models.tiny import build_tiny_gqa_pair
+    from dspark.serve.state import default_model_name
+
+    path, _, _ = gguf_pair
+    assert default_model_name(build_engine(path, None, dtype="float32", max_num_seqs=1)) == "tiny.gguf"
+    target, _ = build_tiny_gqa_pair(0)
+    assert default_model_name(Engine(target, model_ref="smollm2-135m-instruct")) == "smollm2-135m-instruct"

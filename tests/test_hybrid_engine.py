@@ -192,3 +192,26 @@ def test_greedy_adaptive_verification_equals_target_only(tmp_path):
     ref = [o.token_ids for o in LLM.from_engine(plain).generate(prompts, params)]
     assert [o.token_ids for o in LLM.from_engine(adaptive).generate(prompts, params)] == ref
     assert len(set(adaptive.metrics.spec.verify_len_hist)) >= 2  # lengths vary
+
+
+@pytest.mark.parametrize("spec_on", [False, True])
+def test_a_request_failing_mid_step_leaves_the_others_states_exact(spec_on):
+    """A step that raises after the forward is rerun request by request; a request is only committed (state and
+    length) together, so the survivors' KDA states never run ahead of their tokens."""
+    target, drafter = build_tiny_hybrid_pair(8)
+    spec = SpeculativeConfig(method="dspark", num_speculative_tokens=3) if spec_on else None
+    prompts = prompts_for(9, 4)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    ref, _ = generate(target, drafter, spec, prompts[1:], params)
+    eng = Engine(target, drafter, spec, FP32)
+    real = eng._append
+
+    def faulty(req, tokens):
+        if req.prompt_ids == prompts[0] and len(req.output_ids) >= 2:  # the first request of every batch
+            raise RuntimeError("injected fault")
+        return real(req, tokens)
+
+    eng._append = faulty
+    outs = LLM.from_engine(eng).generate(prompts, params)
+    assert outs[0].finish_reason == "error"
+    assert [o.token_ids for o in outs[1:]] == ref

@@ -107,7 +107,8 @@ def build_engines(
             drafter = drafters[key]
         _check_pair(spec, drafter, draft_dir)
         adaptive = load_adaptive(spec, draft_dir, target_dir) if spec and spec.enable_adaptive_verification else None
-        engines.append(Engine(target, drafter, spec, ecfg, cache, tok, adaptive, target_dir, draft_dir))
+        ref = str(model) if model is not None else None
+        engines.append(Engine(target, drafter, spec, ecfg, cache, tok, adaptive, target_dir, draft_dir, ref))
     return engines
 
 

@@ -76,12 +76,11 @@ class SlotStates:
             assert per_row is not None, "keep_per_row views need the state after every row"
             self.rows[layer] = per_row
 
-    def commit(self, rows: torch.Tensor | None = None) -> None:
+    def commit(self, rows: torch.Tensor | None = None, only: int | None = None) -> None:
         """Install per request b the state after its row ``rows[b]`` (0 = the first new row), or after its last
-        valid row (rows None), in every layer."""
-        b = torch.arange(len(self.slots))
+        valid row (rows None), in every layer; ``only``: just batch row ``only`` (the engine commits request by
+        request, with each request's length)."""
+        b = torch.arange(len(self.slots)) if only is None else torch.tensor([only])
         for layer, final in self.final.items():
-            new = final if rows is None else self.rows[layer][b, rows]
-            self.pool.states[layer, self.slots] = new.to(self.pool.states.dtype)
-        self.final.clear()
-        self.rows.clear()
+            new = final[b] if rows is None else self.rows[layer][b, rows[b]]
+            self.pool.states[layer, self.slots[b]] = new.to(self.pool.states.dtype)

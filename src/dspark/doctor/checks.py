@@ -480,11 +480,20 @@ def check_vocab(ctx: _Context) -> list[Problem]:
                 f"a reduced draft vocabulary is not supported; set draft_vocab_size to {v}",
             )
         )
+    problems += _draft_vocab_rows(ctx, v)
+    if ctx.target_dir is None or ctx.target_config_read[0] is None:
+        return problems
+    return problems + _target_vocab(ctx, v)
+
+
+def _draft_vocab_rows(ctx: _Context, v: int) -> list[Problem]:
+    """The draft's embed_tokens / lm_head rows (its own file and an external lm_head file) equal vocab_size v."""
     rows: list[tuple[str, Mapping[str, TensorInfo]]] = []
     if not ctx.draft_scan.problems:
         rows.append((str(ctx.draft_scan.path / SINGLE_FILE), ctx.draft_scan.infos))
     if ctx.lm_head_scan is not None and not ctx.lm_head_scan.problems:
         rows.append((str(ctx.lm_head_scan.path), ctx.lm_head_scan.infos))
+    problems = []
     for where, infos in rows:
         for name in ("embed_tokens.weight", "lm_head.weight"):
             info = infos.get(name)
@@ -495,10 +504,13 @@ def check_vocab(ctx: _Context) -> list[Problem]:
                         "use the config.json that belongs to these weights (vocab_size = rows)",
                     )
                 )
-    if ctx.target_dir is None or ctx.target_config_read[0] is None:
-        return problems
-    t = ctx.target()
-    tv = _as_int(t.get("vocab_size"))
+    return problems
+
+
+def _target_vocab(ctx: _Context, v: int) -> list[Problem]:
+    """The target's vocab_size equals the draft's v, and its embedding / lm_head rows equal its vocab_size."""
+    tv = _as_int(ctx.target().get("vocab_size"))
+    problems = []
     if tv is not None and tv != v:
         problems.append(
             Problem(
@@ -507,17 +519,18 @@ def check_vocab(ctx: _Context) -> list[Problem]:
             )
         )
     scan = ctx.target_scan
-    if tv is not None and scan is not None and not scan.problems:
-        for suffix in ("embed_tokens.weight", "lm_head.weight"):
-            name = _find(scan.infos, suffix)
-            info = scan.infos.get(name) if name else None
-            if info is not None and info.shape and info.shape[0] != tv:
-                problems.append(
-                    Problem(
-                        f"target {info.file}: {name} has {info.shape[0]} rows but the target vocab_size is {tv}",
-                        "use the target config.json that belongs to these weights",
-                    )
+    if tv is None or scan is None or scan.problems:
+        return problems
+    for suffix in ("embed_tokens.weight", "lm_head.weight"):
+        name = _find(scan.infos, suffix)
+        info = scan.infos.get(name) if name else None
+        if info is not None and info.shape and info.shape[0] != tv:
+            problems.append(
+                Problem(
+                    f"target {info.file}: {name} has {info.shape[0]} rows but the target vocab_size is {tv}",
+                    "use the target config.json that belongs to these weights",
                 )
+            )
     return problems
 
 
@@ -685,32 +698,13 @@ def check_special_tokens(ctx: _Context) -> list[Problem]:
     raw = ctx.raw()
     src = ctx.draft_dir / "config.json"
     v = ctx.vocab()
-    problems: list[Problem] = []
-    mask = raw.get("mask_token_id")
-    if _as_int(mask) is None:
-        problems.append(
-            Problem(
-                f"{src}: mask_token_id = {mask!r} is missing or not an integer",
-                "set mask_token_id to the id the draft was trained with (Kimi-K3-DSpark: 163837)",
-            )
-        )
-        mask = None
-    elif not 0 <= mask < v:
-        problems.append(
-            Problem(
-                f"{src}: mask_token_id {mask} is outside the vocabulary [0, {v})",
-                f"set mask_token_id to the (reserved) token id the draft was trained with; it must be < {v}",
-            )
-        )
+    mask, problems = _mask_id(raw.get("mask_token_id"), src, v)
     draft_ids = {r: _id_set(raw.get(f"{r}_token_id")) for r in ("bos", "eos", "pad")}
     for role, ids in draft_ids.items():
         for i in sorted(ids):
             if not 0 <= i < v:
                 problems.append(
-                    Problem(
-                        f"{src}: {role}_token_id {i} is outside [0, {v})",
-                        f"set {role}_token_id to the target's",
-                    )
+                    Problem(f"{src}: {role}_token_id {i} is outside [0, {v})", f"set {role}_token_id to the target's")
                 )
     target_ids: dict[str, set[int]] = {}
     if ctx.target_dir is not None and ctx.target_config_read[0] is not None:
@@ -725,6 +719,30 @@ def check_special_tokens(ctx: _Context) -> list[Problem]:
                         f"set {role}_token_id in {src} to the target's ({sorted(tg)})",
                     )
                 )
+    return problems + _tokenizer_id_problems(ctx, mask, draft_ids, target_ids)
+
+
+def _mask_id(mask: Any, src: Path, v: int) -> tuple[int | None, list[Problem]]:
+    """(the draft's mask_token_id if usable, its problems): an integer inside the vocabulary [0, v)."""
+    if _as_int(mask) is None:
+        fix = "set mask_token_id to the id the draft was trained with (Kimi-K3-DSpark: 163837)"
+        return None, [Problem(f"{src}: mask_token_id = {mask!r} is missing or not an integer", fix)]
+    if not 0 <= mask < v:
+        return mask, [
+            Problem(
+                f"{src}: mask_token_id {mask} is outside the vocabulary [0, {v})",
+                f"set mask_token_id to the (reserved) token id the draft was trained with; it must be < {v}",
+            )
+        ]
+    return mask, []
+
+
+def _tokenizer_id_problems(
+    ctx: _Context, mask: int | None, draft_ids: dict[str, set[int]], target_ids: dict[str, set[int]]
+) -> list[Problem]:
+    """The tokenizer's special tokens have the ids the draft and target configs name."""
+    src = ctx.draft_dir / "config.json"
+    problems = []
     for role, (token, tid) in _tokenizer_ids(ctx).items():
         where = f"the tokenizer's {role}_token {token!r} is id {tid}"
         if role == "mask":

@@ -89,6 +89,7 @@ class Engine:
         adaptive: AdaptivePolicy | None = None,
         model_dir: Path | None = None,
         draft_dir: Path | None = None,
+        model_ref: str | None = None,
     ) -> None:
         self.cfg = engine_config or EngineConfig()
         self.spec = speculative_config
@@ -104,6 +105,7 @@ class Engine:
         ccfg = cache_config or CacheConfig()
         num_pages = ccfg.num_pages or math.ceil(self.cfg.max_num_seqs * min(self.max_model_len, 4096) / ccfg.page_size)
         self.model_dir, self.draft_dir = model_dir, draft_dir  # where the models came from (None: in memory)
+        self.model_ref = model_ref  # the model as the user named it (directory, .gguf, alias, hub id)
         dformat = self.drafter.page_format if self.drafter is not None else None
         dtype = next(target.parameters()).dtype
         self.pools = CachePools.build(target.page_format, dformat, num_pages, ccfg.page_size, dtype)
@@ -227,7 +229,6 @@ class Engine:
         reqs = [c.request for c in chunks]
         tokens = [c.request.all_ids[c.start : c.end] for c in chunks]
         logits = self.runner.target_forward(reqs, [c.start for c in chunks], tokens, last_only=True)
-        self.runner.commit_states()
         first = [i for i, c in enumerate(chunks) if c.end == c.request.prefill_target and not c.request.output_ids]
         for c in chunks:
             c.request.num_computed = c.end
@@ -238,6 +239,7 @@ class Engine:
             tokens_out = sample_next(logits[first, 0], sampling).tolist()
             for req, tok in zip(sub, tokens_out):
                 self._append(req, [tok])
+        self.runner.commit_states()  # last: a phase that raises is rerun from the states it started with
 
     def _propose(self, reqs: list[Request], sampling: SamplingTensors) -> Proposal | None:
         if self.spec is None:
@@ -289,11 +291,11 @@ class Engine:
             padded = torch.nn.functional.pad(logits, (0, 0, 0, K + 1 - logits.shape[1]))
             res = accept(proposal, torch.tensor(lengths), padded, sampling, rule)
             accepted, nxt = res.num_accepted.tolist(), res.next_token.tolist()
-        self.runner.commit_states(accepted)  # the state after [anchor, accepted drafts]; rejected rows leave none
         self.metrics.spec.num_steps += 1
         for i, req in enumerate(reqs):
             n = accepted[i]
             drafts = proposal.tokens[i, :n].tolist() if proposal is not None else []
+            self.runner.commit_states(accepted, only=i)  # the state after [anchor, d_1..d_n]: rejected rows leave none
             req.num_computed += n + 1
             self.blocks.set_length(req.request_id, req.num_computed)
             if proposal is not None:

@@ -102,12 +102,11 @@ class ModelRunner:
         self._pending = self.states.view(self.states.slots([r.request_id for r in reqs]), keep_per_row=per_row)
         return {"states": self._pending, "lengths": batch.lengths}
 
-    def commit_states(self, rows: Sequence[int] | None = None) -> None:
+    def commit_states(self, rows: Sequence[int] | None = None, only: int | None = None) -> None:
         """Install the last forward's states: after each request's last row, or after row ``rows[b]`` (a
-        verification's accepted prefix: 0 = the anchor alone)."""
+        verification's accepted prefix: 0 = the anchor alone); ``only``: for batch row ``only`` alone."""
         if self._pending is not None:
-            self._pending.commit(None if rows is None else torch.tensor(list(rows), dtype=torch.long))
-            self._pending = None
+            self._pending.commit(None if rows is None else torch.tensor(list(rows), dtype=torch.long), only)
 
     def release_state(self, request_id: str) -> None:
         if self.states is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
@@ -21,6 +22,11 @@ T = TypeVar("T")
 
 
 def default_model_name(engine: Engine) -> str:
+    """The model as the user named it (an alias or hub id as given; a local directory or .gguf file by its name),
+    else the model directory's name."""
+    ref = engine.model_ref
+    if ref is not None:
+        return Path(ref).name if Path(ref).exists() else ref
     d = engine.model_dir
     return d.name if d is not None else "dspark"
 
