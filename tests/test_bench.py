@@ -183,8 +183,10 @@ def test_bench_cli_end_to_end_writes_schema_json_and_png(tmp_path, capsys):
     data = tmp_path / "prompts.jsonl"
     long = "class A:\n" + "    x = 1\n" * 60  # 609 bytes: longer than the tiny target's 512 positions allow
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("def f(x):\n", long)))
+    more = tmp_path / "more.jsonl"  # a second dataset: its own row group
+    more.write_text(json.dumps({"prompt": "x = 1\ny = 2\nx = 1\ny = 2\nx = 1\n"}) + "\n")
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    argv = ["bench", "--dataset", str(data), "--model", str(target_dir), "--draft", str(draft_dir)]
+    argv = ["bench", "--dataset", f"{data},{more}", "--model", str(target_dir), "--draft", str(draft_dir)]
     argv += ["--num-prompts", "2", "--max-tokens", "5", "--temperature", "0,1", "--concurrency", "1,2"]
     argv += ["--context-depths", "40,80", "--context-prompts", "2", "--num-speculative-tokens", "3"]
     argv += ["--dtype", "float32", "--ignore-eos", "--quiet", "--output", str(out), "--plot", str(png)]
@@ -202,6 +204,7 @@ def test_bench_cli_end_to_end_writes_schema_json_and_png(tmp_path, capsys):
     for row in rows:
         _check_row_types(row)
         assert row["output_tokens"] == row["num_prompts"] * 5  # --ignore-eos: every method emits max_tokens
+        assert row["num_prompts"] == (1 if row["dataset"] == "more.jsonl" else 2)
     names = {r["name"] for r in rows}
     expected = {"ar", "dspark", "dflash (head off)", "ngram", "hf-generate", "hf-prompt-lookup", "dspark-adaptive"}
     assert names == expected
@@ -212,7 +215,7 @@ def test_bench_cli_end_to_end_writes_schema_json_and_png(tmp_path, capsys):
         assert (r["acceptance_length"] is not None) == spec, r["name"]
         assert (r["verify_rate"] is not None) == spec
     cells = {(r["dataset"], r["temperature"], r["concurrency"]) for r in rows}
-    assert ("prompts.jsonl", 1.0, 2) in cells
+    assert ("prompts.jsonl", 1.0, 2) in cells and ("more.jsonl", 0.0, 1) in cells
     assert {("prompts.jsonl@ctx40", t, 1) for t in (0.0, 1.0)} <= cells
     assert not any(r["name"].startswith("hf-") for r in rows if "@ctx" in r["dataset"])
     assert not any(r["name"] == "hf-prompt-lookup" and r["concurrency"] == 2 for r in rows)
@@ -436,3 +439,19 @@ def test_bench_runs_each_vllm_method_alone_after_our_engines(tmp_path, monkeypat
     inits = [e for e in _fake_log(log) if e["event"] == "init"]
     assert [e["kw"].get("speculative_config") is not None for e in inits] == [False, True]
     assert inits[1]["kw"]["speculative_config"]["num_speculative_tokens"] == 3
+
+
+def test_a_failing_vllm_worker_costs_its_rows_not_the_run(tmp_path, capsys):
+    from dspark.cli import main
+
+    target_dir, draft_dir = write_tiny_pair(tmp_path / "pair")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": "def f(x):\n"}) + "\n")
+    out = tmp_path / "bench.json"
+    argv = ["bench", "--dataset", str(data), "--model", str(target_dir), "--draft", str(draft_dir), "--quiet"]
+    argv += ["--num-prompts", "1", "--max-tokens", "3", "--baselines", "ngram", "--vllm-python", "/bin/false"]
+    argv += ["--dtype", "float32", "--output", str(out), "--no-warmup"]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert [r["name"] for r in report["results"]] == ["ar", "dspark", "ngram"]
+    assert sum("failed, no rows" in n for n in report["config"]["notes"]) == 2  # vllm and vllm-ngram

@@ -20,6 +20,8 @@ BUNDLED_TARGET = ASSETS / "k3-mini"
 BUNDLED_DRAFT = ASSETS / "k3-mini-dspark"
 BUNDLED_DFLASH = ASSETS / "k3-mini-dflash"
 OFFICIAL_DRAFT_CONFIG = ASSETS / "formats" / "kimi-k3-dspark.config.json"  # Inferact/Kimi-K3-DSpark
+# (DSpark, DFlash) drafters shipped for packaged-alias targets
+ALIAS_DRAFTS = {"smollm2-135m-instruct": (ASSETS / "smollm2-135m-dspark", ASSETS / "smollm2-135m-dflash")}
 
 
 def bundled_available() -> bool:
@@ -39,15 +41,28 @@ def resolve_model(model: str | Path | None) -> Path:
     return BUNDLED_TARGET
 
 
+def shipped_drafts(target_dir: Path) -> tuple[Path, Path] | None:
+    """The (DSpark, DFlash) drafter directories shipped for a target: the bundled k3-mini pair, or the drafters
+    of a packaged alias whose cached export ``target_dir`` is."""
+    from dspark.checkpoint.resolve import is_alias_export
+
+    if target_dir.resolve() == BUNDLED_TARGET.resolve():
+        return BUNDLED_DRAFT, BUNDLED_DFLASH
+    for alias, pair in ALIAS_DRAFTS.items():
+        if (pair[0] / "config.json").exists() and is_alias_export(target_dir, alias):
+            return pair
+    return None
+
+
 def resolve_draft(spec: SpeculativeConfig, target_dir: Path) -> Path | None:
     if spec.method == "ngram":
         return None
     if spec.model:
         return resolve_model_ref(spec.model, role="speculative config: model")
-    if target_dir.resolve() == BUNDLED_TARGET.resolve():
-        if spec.method == "dflash" and (BUNDLED_DFLASH / "config.json").exists():
-            return BUNDLED_DFLASH
-        return BUNDLED_DRAFT
+    shipped = shipped_drafts(target_dir)
+    if shipped is not None:
+        dspark, dflash = shipped
+        return dflash if spec.method == "dflash" and (dflash / "config.json").exists() else dspark
     raise ConfigError(
         f"speculative config: method '{spec.method}' needs 'model' (the draft directory) for target {target_dir}"
     )

@@ -85,7 +85,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "ratios hold on a noisy machine. τ, per-position acceptance and verify rate come from the engine's "
         "counters. Prints a markdown table; --output writes JSON, --plot a PNG.",
     )
-    p.add_argument("--dataset", default=None, help="JSONL prompts (default: the bundled held-out stdlib prompts)")
+    p.add_argument(
+        "--dataset",
+        default=None,
+        help="JSONL prompts, or several comma-separated (one row group each); default: bundled held-out stdlib prompts",
+    )
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float_list, default=(0.0,), help="one or more, e.g. 0,1")

@@ -183,15 +183,16 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def _resolve(args: argparse.Namespace) -> tuple[Path, Path | None]:
-    from dspark.llm import BUNDLED_DRAFT, BUNDLED_TARGET, resolve_model
+    from dspark.llm import resolve_model, shipped_drafts
 
     target_dir = resolve_model(args.model)
     if args.no_draft:
         return target_dir, None
     if args.draft is not None:
         return target_dir, Path(args.draft)
-    if target_dir.resolve() == BUNDLED_TARGET.resolve() and (BUNDLED_DRAFT / "config.json").exists():
-        return target_dir, BUNDLED_DRAFT
+    shipped = shipped_drafts(target_dir)
+    if shipped is not None and (shipped[0] / "config.json").exists():
+        return target_dir, shipped[0]
     return target_dir, None
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark.bench.acceptance import sum_counters
-from dspark.bench.baselines import HFGenerate, VLLMMethod
+from dspark.bench.baselines import HFGenerate, VLLMError, VLLMMethod
 from dspark.bench.methods import EngineMethod, Measurement, Method
 from dspark.config import ConfigError, DraftConfig, SpeculativeConfig, TargetConfig
 from dspark.sampling_params import SamplingParams
@@ -235,7 +235,7 @@ class Resolved:
 
 def resolve_dirs(cfg: BenchConfig) -> Resolved:
     from dspark.checkpoint.resolve import resolve_model_ref
-    from dspark.llm import BUNDLED_DFLASH, BUNDLED_DRAFT, BUNDLED_TARGET, bundled_available
+    from dspark.llm import bundled_available, shipped_drafts
 
     if cfg.model is None and not bundled_available():
         import tempfile
@@ -249,17 +249,17 @@ def resolve_dirs(cfg: BenchConfig) -> Resolved:
             "(numbers are not meaningful); pass --model/--draft",
             stacklevel=2,
         )
-        demo, bundled = True, False
+        demo, shipped = True, None
     else:
         from dspark.llm import resolve_model
 
         target_dir, demo = resolve_model(cfg.model), False
-        bundled = target_dir.resolve() == BUNDLED_TARGET.resolve()
+        shipped = shipped_drafts(target_dir)  # the bundled pair's, or a packaged alias target's drafters
         draft_dir = resolve_model_ref(cfg.draft, role="--draft") if cfg.draft else None
-        draft_dir = draft_dir or (BUNDLED_DRAFT if bundled else None)
+        draft_dir = draft_dir or (shipped[0] if shipped else None)
     dflash_dir = resolve_model_ref(cfg.dflash_draft, role="--dflash-draft") if cfg.dflash_draft else None
-    if dflash_dir is None and not demo and bundled and (BUNDLED_DFLASH / "config.json").exists():
-        dflash_dir = BUNDLED_DFLASH
+    if dflash_dir is None and shipped is not None and (shipped[1] / "config.json").exists():
+        dflash_dir = shipped[1]
     head_off = dflash_dir is None and draft_dir is not None
     return Resolved(target_dir, draft_dir, dflash_dir or draft_dir, head_off, demo)
 
@@ -347,13 +347,19 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
     def encode(text: str, chat: bool, limit: int = budget) -> tuple[int, ...]:
         return encode_prompt(tok, text, chat, limit)
 
-    prompts = read_bench_prompts(cfg.dataset, cfg.num_prompts, getattr(tok, "apply_chat_template", None))
-    dataset = Path(cfg.dataset).name
-    base = tuple(encode(p.text, p.is_chat) for p in prompts)
-    cut = sum(len(encode(p.text, p.is_chat, 10**9)) > budget for p in prompts)
-    if cut:
-        notes.append(f"{cut} prompt(s) longer than {budget} tokens were cut to their last {budget} tokens")
-    cells = [Cell(dataset, t, c, base) for t in cfg.temperatures for c in cfg.concurrency]
+    cells: list[Cell] = []
+    prompts: list = []
+    for path in cfg.dataset.split(","):  # one set of cells per dataset (e.g. code, math, chat)
+        got = read_bench_prompts(path, cfg.num_prompts, getattr(tok, "apply_chat_template", None))
+        base = tuple(encode(p.text, p.is_chat) for p in got)
+        cut = sum(len(encode(p.text, p.is_chat, 10**9)) > budget for p in got)
+        if cut:
+            notes.append(
+                f"{Path(path).name}: {cut} prompt(s) longer than {budget} tokens were cut to their last {budget}"
+            )
+        cells += [Cell(Path(path).name, t, c, base) for t in cfg.temperatures for c in cfg.concurrency]
+        prompts += got
+    dataset = Path(cfg.dataset.split(",")[0]).name  # context-depth cells pad the first dataset's prompts
     depth_cells: list[Cell] = []
     if cfg.context_depths:
         sources = read_sources(cfg.context_source) if cfg.context_source else read_sources()
@@ -473,12 +479,19 @@ def _measure_vllm(
         notes.append(f"{name}: skipped (pass --vllm-python PYTHON with vLLM installed)")
         return []
     spec = vllm_spec(name, k)
-    method = VLLMMethod(
-        name, cfg.vllm_python, res.target_dir, spec, cfg.dtype, cfg.seed, max_len, None, cfg.vllm_kv_space_gib
-    )
+    open_cells = [(c, parts) for c, parts in zip(cells, measured) if not c.engine_only]
+    try:  # a vLLM failure costs its rows, never the measurements already taken
+        method = VLLMMethod(
+            name, cfg.vllm_python, res.target_dir, spec, cfg.dtype, cfg.seed, max_len, None, cfg.vllm_kv_space_gib
+        )
+    except VLLMError as e:
+        notes.append(f"{name}: failed, no rows ({str(e).splitlines()[0]})")
+        return []
     try:
-        open_cells = [(c, parts) for c, parts in zip(cells, measured) if not c.engine_only]
         phase = _run_phase([method], [c for c, _ in open_cells], cfg, notes)
+    except VLLMError as e:
+        notes.append(f"{name}: failed, no rows ({str(e).splitlines()[0]})")
+        return []
     finally:
         method.close()
     for (_, parts), got in zip(open_cells, phase):

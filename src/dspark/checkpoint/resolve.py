@@ -68,6 +68,16 @@ def alias_path(name: str) -> Path:
     return path
 
 
+def is_alias_export(path: str | Path, alias: str) -> bool:
+    """Whether ``path`` is the cached HF export of a packaged alias (False when its package is not installed)."""
+    from dspark.checkpoint.gguf import export_dir_for
+
+    try:
+        return Path(path).resolve() == export_dir_for(alias_path(alias)).resolve()
+    except ConfigError:
+        return False
+
+
 class ModelNotFoundError(ConfigError):
     """A model reference that names nothing on this machine; the message lists the commands that fetch it."""
 

@@ -60,6 +60,57 @@ def add_draft_data(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_draft_data)
 
 
+# ---- chat-data ---------------------------------------------------------------------------------------------
+
+
+def cmd_chat_data(args: argparse.Namespace) -> int:
+    from dspark.train.chat_data import ChatDataConfig, build_shard, merge_shards
+
+    if args.merge:
+        result = merge_shards(args.out_dir or ChatDataConfig.out_dir, args.merge)
+    else:
+        known = {f.name for f in fields(ChatDataConfig)}
+        overrides = {k: v for k, v in vars(args).items() if k in known and v is not None}
+        if args.shard_spec:
+            overrides["shard"], overrides["num_shards"] = args.shard_spec
+        result = build_shard(replace(ChatDataConfig(), **overrides, progress=not args.quiet))
+    print(json.dumps({k: v for k, v in result.items() if k != "shards"}))
+    return 0
+
+
+def _shard_spec(text: str) -> tuple[int, int]:
+    try:
+        k, n = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard {text!r}: use K/N, e.g. 0/2") from None
+    return k, n
+
+
+def add_chat_data(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "chat-data",
+        help="drafter dataset + offline features for a chat (HF Llama/Qwen) target: instruction prompts, responses "
+        "regenerated with transformers generate",
+    )
+    p.add_argument("--target", dest="target_dir", default=None, help="HF target dir (runs/smollm2-hf)")
+    p.add_argument("--prompts", default=None, help="JSONL with messages/prompt lines (instructions_train.jsonl)")
+    p.add_argument("--out-dir", default=None, help="dataset dir (runs/chat_data)")
+    p.add_argument("--taps", dest="tap_layers", type=int_list, default=None, help="target layer ids (1,8,14,21,28)")
+    p.add_argument("--num-val-prompts", type=int, default=None, help="first prompts kept for validation (96)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="response length cap (256)")
+    p.add_argument("--temperatures", type=float_list, default=None, help="round-robin per batch (0,1,0,0.7)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--batch-size", type=int, default=None, help="prompts per generate call (32)")
+    p.add_argument("--dtype", default=None, help="generation dtype (bfloat16)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--shard", dest="shard_spec", type=_shard_spec, default=None, help="K/N: this process's share")
+    p.add_argument("--max-minutes", type=float, default=None, help="stop starting training batches after this")
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads (1)")
+    p.add_argument("--merge", type=int, default=None, metavar="N", help="merge shard-0..N-1 of --out-dir")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_chat_data)
+
+
 # ---- prepare-features ------------------------------------------------------------------------------------
 
 
@@ -198,3 +249,4 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_train_draft(sub)
     add_draft_data(sub)
     add_prepare_features(sub)
+    add_chat_data(sub)

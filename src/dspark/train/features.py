@@ -138,6 +138,99 @@ class PrepareResult:
     wall_clock_s: float
 
 
+class FeatureWriter:
+    """Writes a feature cache sample by sample into a temporary directory; :meth:`commit` adds the index and
+    manifest and renames it into place (a crash leaves no half-written cache behind)."""
+
+    def __init__(self, out_dir: str | Path, feature_dtype: str, max_shard_bytes: int = 1 << 30) -> None:
+        self.np_dtype, _ = _dtypes(feature_dtype)
+        self.feature_dtype = feature_dtype
+        self.out = Path(out_dir)
+        self.tmp = self.out.with_name(f".{self.out.name}.tmp-{os.getpid()}")
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir(parents=True)
+        self.index: dict[int, tuple[int, int, int]] = {}  # sample → (shard, first row, length)
+        self.max_shard_bytes = max_shard_bytes
+        self.shards: list[str] = []
+        self.files: tuple | None = None
+        self.rows_in_shard = 0
+        self.bytes_written = 0
+        self.widths: tuple[int, int] | None = None
+
+    def write(self, i: int, taps: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Sample i's features: taps [L, m·D], hidden [L, D] (any float dtype; stored in the cache dtype)."""
+        _, tdtype = _dtypes(self.feature_dtype)
+        taps_np, hidden_np = _to_numpy(taps.to(tdtype), self.np_dtype), _to_numpy(hidden.to(tdtype), self.np_dtype)
+        self.widths = (taps_np.shape[-1], hidden_np.shape[-1])
+        L = taps_np.shape[0]
+        row_bytes = sum(self.widths) * np.dtype(self.np_dtype).itemsize
+        if self.files is None or (self.rows_in_shard + L) * row_bytes > self.max_shard_bytes and self.rows_in_shard:
+            self._next_shard()
+        assert self.files is not None
+        self.files[0].write(np.ascontiguousarray(taps_np).tobytes())
+        self.files[1].write(np.ascontiguousarray(hidden_np).tobytes())
+        self.index[i] = (len(self.shards) - 1, self.rows_in_shard, L)
+        self.rows_in_shard += L
+        self.bytes_written += L * row_bytes
+
+    def _next_shard(self) -> None:
+        self._close()
+        name = f"{len(self.shards):05d}"
+        self.shards.append(name)
+        self.files = (open(self.tmp / f"taps-{name}.bin", "wb"), open(self.tmp / f"hidden-{name}.bin", "wb"))
+        self.rows_in_shard = 0
+
+    def _close(self) -> None:
+        if self.files is not None:
+            for f in self.files:
+                f.flush()
+                os.fsync(f.fileno())
+                f.close()
+            self.files = None
+
+    def commit(self, dataset: DraftDataset, tap_layers: Sequence[int], autocast: bool) -> None:
+        self._close()
+        rows = [self.index.get(i, (0, 0, -1)) for i in range(len(dataset))]
+        index = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+        if not np.array_equal(index[:, 2], dataset.lengths()):
+            raise ValueError(f"{self.out}: written feature rows do not match the dataset's sample lengths")
+        np.save(self.tmp / INDEX, index)
+        taps_width, hidden_width = self.widths or (None, None)
+        manifest = {
+            "version": CACHE_VERSION,
+            "num_samples": len(dataset),
+            "num_tokens": int(dataset.lengths().sum()),
+            "tap_layers": list(tap_layers),
+            "taps_width": taps_width,
+            "hidden_width": hidden_width,
+            "dtype": self.feature_dtype,
+            "autocast_bf16": autocast,
+            "dataset_fingerprint": dataset.fingerprint(),
+            "shards": self.shards,
+        }
+        (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        _fsync_dir(self.tmp)
+        if self.out.exists():
+            shutil.rmtree(self.out)
+        os.replace(self.tmp, self.out)
+
+    def abort(self) -> None:
+        self._close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _length_batches(lengths: np.ndarray, batch_tokens: int) -> list[list[int]]:
+    """Sample indices grouped by similar length, at most batch_tokens padded tokens per group."""
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    for i in np.argsort(lengths, kind="stable").tolist():
+        if cur and (len(cur) + 1) * int(lengths[i]) > batch_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    return batches + [cur] if cur else batches
+
+
 def prepare_features(
     target: nn.Module,
     dataset: DraftDataset,
@@ -152,85 +245,27 @@ def prepare_features(
 ) -> PrepareResult:
     """Run the frozen target once over every sample and write the sharded cache (atomically: a temporary
     directory renamed into place, manifest last). Samples are batched by similar length."""
-    np_dtype, _ = _dtypes(feature_dtype)
-    out = Path(out_dir)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     t0 = time.perf_counter()
-    n = len(dataset)
     lengths = dataset.lengths()
-    taps_width = hidden_width = None
-    index = np.zeros((n, 3), dtype=np.int64)
-    shards: list[str] = []
-    files: tuple | None = None
-    rows_in_shard = 0
-    written = 0
-    order = np.argsort(lengths, kind="stable")
-    batches: list[list[int]] = []
-    cur: list[int] = []
-    for i in order.tolist():
-        if cur and (len(cur) + 1) * int(lengths[i]) > batch_tokens:
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        batches.append(cur)
+    batches = _length_batches(lengths, batch_tokens)
+    writer = FeatureWriter(out_dir, feature_dtype, max_shard_bytes)
     try:
         for bi, batch in enumerate(batches):
-            S = int(lengths[batch].max())
-            ids = torch.zeros(len(batch), S, dtype=torch.long)
+            ids = torch.zeros(len(batch), int(lengths[batch].max()), dtype=torch.long)
             for r, i in enumerate(batch):
                 x, _ = dataset[i]
                 ids[r, : x.size] = torch.from_numpy(x)
             feats = target_features(target, ids, tap_layers, feature_dtype, autocast, chunk=chunk)
-            taps_np = _to_numpy(feats.taps, np_dtype)
-            hidden_np = _to_numpy(feats.hidden, np_dtype)
-            taps_width, hidden_width = taps_np.shape[-1], hidden_np.shape[-1]
-            row_bytes = (taps_width + hidden_width) * np.dtype(np_dtype).itemsize
             for r, i in enumerate(batch):
                 L = int(lengths[i])
-                if files is None or (rows_in_shard + L) * row_bytes > max_shard_bytes and rows_in_shard:
-                    if files is not None:
-                        for f in files:
-                            f.close()
-                    name = f"{len(shards):05d}"
-                    shards.append(name)
-                    files = (open(tmp / f"taps-{name}.bin", "wb"), open(tmp / f"hidden-{name}.bin", "wb"))
-                    rows_in_shard = 0
-                files[0].write(np.ascontiguousarray(taps_np[r, :L]).tobytes())
-                files[1].write(np.ascontiguousarray(hidden_np[r, :L]).tobytes())
-                index[i] = (len(shards) - 1, rows_in_shard, L)
-                rows_in_shard += L
-                written += L * row_bytes
+                writer.write(i, feats.taps[r, :L], feats.hidden[r, :L])
             if progress and (bi + 1) % 20 == 0:
                 print(f"prepare-features: {bi + 1}/{len(batches)} batches", file=sys.stderr, flush=True)
-        if files is not None:
-            for f in files:
-                f.flush()
-                os.fsync(f.fileno())
-                f.close()
-        np.save(tmp / INDEX, index)
-        manifest = {
-            "version": CACHE_VERSION,
-            "num_samples": n,
-            "num_tokens": int(lengths.sum()),
-            "tap_layers": list(tap_layers),
-            "taps_width": taps_width,
-            "hidden_width": hidden_width,
-            "dtype": feature_dtype,
-            "autocast_bf16": autocast,
-            "dataset_fingerprint": dataset.fingerprint(),
-            "shards": shards,
-        }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        _fsync_dir(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        writer.commit(dataset, tap_layers, autocast)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return PrepareResult(str(out), n, int(lengths.sum()), written, round(time.perf_counter() - t0, 1))
+        writer.abort()
+    n_tok = int(lengths.sum())
+    return PrepareResult(str(out_dir), len(dataset), n_tok, writer.bytes_written, round(time.perf_counter() - t0, 1))
 
 
 def _to_numpy(x: torch.Tensor, np_dtype: type) -> np.ndarray:

@@ -473,8 +473,22 @@ def init_drafter_(drafter: DSparkDrafter, std: float, generator: torch.Generator
 def build_drafter(cfg: DraftTrainConfig, target: nn.Module) -> DSparkDrafter:
     drafter = DSparkDrafter(cfg.draft_config(target.config))
     init_drafter_(drafter, cfg.init_std, torch.Generator().manual_seed(cfg.seed))
+    norm = target_final_norm(target)
+    if norm is not None and norm.shape == drafter.final_norm.weight.shape:
+        with torch.no_grad():  # the borrowed lm_head then sees states at the target's scale from step 0
+            drafter.final_norm.weight.copy_(norm)
     drafter.attach(target.embed_tokens, target.lm_head)
     return drafter.float().train()
+
+
+def target_final_norm(target: nn.Module) -> torch.Tensor | None:
+    """The weight of the target's final RMSNorm (our MLA or GQA target), if it has one."""
+    from dspark.models.llama import LlamaTarget
+    from dspark.models.target import MLATarget
+
+    if isinstance(target, MLATarget | LlamaTarget):
+        return target.model.norm.weight.detach()
+    return None
 
 
 # --------------------------------------------------------------------------------------------------------
