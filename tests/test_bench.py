@@ -128,6 +128,7 @@ def test_perfect_drafter_gives_tau_k_plus_one(K, concurrency):
     assert by["perfect"].verify_rate == 1.0
     assert by["perfect"].output_tokens == by["ar"].output_tokens == len(prompts) * max_tokens
     assert by["ar"].speedup_vs_ar == 1.0 and by["ar"].acceptance_length is None and by["ar"].verify_rate is None
+    assert by["ar"].tau_bound is None and by["perfect"].tau_bound > 0  # from the engines' measured phase times
 
 
 def test_rows_are_computed_from_engine_counter_deltas():

@@ -140,17 +140,19 @@ class RopeConfig:
                 "original_max_position_embeddings": self.original_max_position_embeddings,
                 "rope_theta": self.theta,
             }
-        return {
-            "rope_type": "yarn",
-            "factor": self.factor,
-            "original_max_position_embeddings": self.original_max_position_embeddings,
-            "rope_theta": self.theta,
-            "beta_fast": self.beta_fast,
-            "beta_slow": self.beta_slow,
-            "mscale": self.mscale,
-            "mscale_all_dim": self.mscale_all_dim,
-        } | ({"attention_factor": self.attention_factor} if self.attention_factor is not None else {}) | (
-            {} if self.truncate else {"truncate": False}
+        return (
+            {
+                "rope_type": "yarn",
+                "factor": self.factor,
+                "original_max_position_embeddings": self.original_max_position_embeddings,
+                "rope_theta": self.theta,
+                "beta_fast": self.beta_fast,
+                "beta_slow": self.beta_slow,
+                "mscale": self.mscale,
+                "mscale_all_dim": self.mscale_all_dim,
+            }
+            | ({"attention_factor": self.attention_factor} if self.attention_factor is not None else {})
+            | ({} if self.truncate else {"truncate": False})
         )
 
 

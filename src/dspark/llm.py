@@ -11,6 +11,7 @@ from dspark.checkpoint.resolve import resolve_model_ref
 from dspark.config import CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
 from dspark.doctor.gate import check_before_load, check_finite
 from dspark.engine.engine import Engine, RequestOutput, load_adaptive
+from dspark.engine.metrics import EngineMetrics
 from dspark.models.loading import load_drafter, load_target
 from dspark.sampling_params import SamplingParams
 from dspark.tokenizer import load_tokenizer
@@ -124,7 +125,29 @@ def build_engines(
         adaptive = load_adaptive(spec, draft_dir, target_dir) if spec and spec.enable_adaptive_verification else None
         ref = str(model) if model is not None else None
         engines.append(Engine(target, drafter, spec, ecfg, cache, tok, adaptive, target_dir, draft_dir, ref))
+    _default_threads(engines[0], f"{target_dir.name}|{dtype}|{sum(p.numel() for p in target.parameters())} params")
     return engines
+
+
+def _default_threads(engine: Engine, model_key: str) -> None:
+    """Measured intra-op thread default for this machine and model (dspark.threads), unless chosen explicitly."""
+    from dspark.threads import choose_threads, is_explicit
+
+    if is_explicit():
+        return
+    K = engine.K
+    params = SamplingParams(temperature=0.0, max_tokens=1 + 4 * (K + 1), ignore_eos=True)
+    prompt = [min(4, engine.target.config.vocab_size - 1)] * 16
+    calls = iter(range(1 << 30))
+
+    def decode_steps() -> None:  # prefill + 4 decode steps of one request, under its own ids (no counter use)
+        engine.add_request(prompt, params, request_id=f"dspark-thread-calibration-{next(calls)}")
+        while engine.has_unfinished:
+            engine.step()
+
+    choose_threads(model_key, decode_steps)
+    if next(calls):  # it ran: the calibration requests must not show in the engine's counters
+        engine.metrics = EngineMetrics(log_interval_s=engine.cfg.log_stats_interval_s)
 
 
 def _set_target_backend(target: Any, backend: str | None) -> None:

@@ -31,10 +31,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # sleeping (not spinning) OpenMP threads: on a shared small machine spinning threads stall each other
     # (takes effect only if torch is not imported yet)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    if args.num_threads is not None:
-        import torch
+    from dspark.threads import describe_threads, set_threads
 
-        torch.set_num_threads(args.num_threads)
+    if args.num_threads is not None:
+        set_threads(args.num_threads, "--num-threads")
     from dspark.bench.datasets import HELDOUT
     from dspark.bench.speed import BenchConfig, markdown_table, run_bench
 
@@ -62,10 +62,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         progress=not args.quiet,
     )
     report = run_bench(cfg)
-    print(markdown_table(report.results), flush=True)
+    threads = describe_threads()  # after the engines are built: the measured default is in place
+    print(f"{threads}\n\n{markdown_table(report.results)}", flush=True)
     for note in report.notes:
         print(f"note: {note}", file=sys.stderr)
     data = report.to_json()
+    data["config"]["threads"] = threads
     if args.output:
         _write_json(Path(args.output), data)
         print(f"wrote {args.output}", file=sys.stderr)
@@ -125,7 +127,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: measured per machine and model, see dspark/threads.py)",
+    )
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens per prompt")
     p.add_argument("--no-warmup", action="store_true", help="skip the one short warm-up call per method")
     p.add_argument(

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from dspark.bench.acceptance import SpecCounters
+from dspark.engine.metrics import DecodeTimes
 from dspark.sampling_params import SamplingParams
 
 
@@ -17,6 +18,7 @@ class Measurement:
     output_tokens: int
     wall_s: float
     counters: SpecCounters | None  # None: the method has no speculative counters (AR baselines outside our engine)
+    decode: DecodeTimes | None = None  # our engine's decode-phase times (τ-bound), None for other stacks
 
 
 class Method(Protocol):
@@ -45,12 +47,12 @@ class EngineMethod:
         from dspark.llm import LLM
 
         m = self.engine.metrics
-        tokens0, spec0 = m.generation_tokens, SpecCounters.of(m.spec)
+        tokens0, spec0, decode0 = m.generation_tokens, SpecCounters.of(m.spec), m.decode
         t0 = time.perf_counter()
         LLM.from_engine(self.engine).generate([list(p) for p in prompts], params)
         wall = time.perf_counter() - t0
         counters = SpecCounters.of(m.spec) - spec0 if self.engine.spec is not None else None
-        return Measurement(m.generation_tokens - tokens0, wall, counters)
+        return Measurement(m.generation_tokens - tokens0, wall, counters, m.decode - decode0)
 
     def close(self) -> None:
         pass

@@ -199,6 +199,15 @@ def _resolve(args: argparse.Namespace) -> tuple[Path, Path | None]:
 def cmd_profile(args: argparse.Namespace) -> int:
     from dspark.models.loading import load_drafter, load_target
 
+    if args.num_threads:
+        from dspark.threads import set_threads
+
+        set_threads(args.num_threads, "--num-threads")
+    if args.breakdown:
+        from dspark.bench.breakdown import cmd_breakdown
+
+        return cmd_breakdown(args, *_resolve(args))
+
     cfg = ProfileConfig(
         batch_sizes=args.batch_sizes,
         max_tokens_per_request=args.max_tokens_per_request,
@@ -207,8 +216,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         monotone=not args.raw,
     )
-    if args.num_threads:
-        torch.set_num_threads(args.num_threads)
     target_dir, draft_dir = _resolve(args)
     target = load_target(target_dir, args.dtype)
     drafter = load_drafter(draft_dir, target, args.dtype) if draft_dir is not None else None
@@ -258,6 +265,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per point (default 2)")
     p.add_argument("--raw", action="store_true", help="keep raw medians (no non-increasing fit over B)")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--num-threads", type=int, default=None, help="torch threads (default: measured, see dspark/threads.py)"
+    )
     p.add_argument("--quiet", action="store_true", help="no per-point lines")
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="instead of the SPS table: torch.profiler breakdown of one AR decode step and one DSpark round",
+    )
+    p.add_argument("--steps", type=int, default=16, help="--breakdown: profiled steps per method (default 16)")
+    p.add_argument("--concurrency", type=int, default=1, help="--breakdown: concurrent requests (default 1)")
+    p.add_argument("--num-speculative-tokens", type=int, default=7, help="--breakdown: K (default 7)")
     p.set_defaults(func=cmd_profile)

@@ -25,6 +25,7 @@ from dspark.bench.acceptance import sum_counters
 from dspark.bench.baselines import HFGenerate, VLLMError, VLLMMethod
 from dspark.bench.methods import EngineMethod, Measurement, Method
 from dspark.config import ConfigError, DraftConfig, SpeculativeConfig, TargetConfig
+from dspark.engine.metrics import DecodeTimes, tau_bound
 from dspark.sampling_params import SamplingParams
 
 AR = "ar"
@@ -59,6 +60,7 @@ RESULT_KEYS = (
     "acceptance_length",
     "per_position_acceptance",
     "verify_rate",
+    "tau_bound",
 )
 
 
@@ -79,6 +81,7 @@ class BenchRow:
     acceptance_length: float | None
     per_position_acceptance: list[float] | None
     verify_rate: float | None
+    tau_bound: float | None = None  # τ · t_AR_step / (t_draft + t_verify) from this cell's measured costs
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -143,11 +146,14 @@ def rows_from_measurements(parts: dict[str, list[Measurement]], cell: Cell) -> l
         return sum(m.output_tokens for m in ms) / wall if wall > 0 else 0.0
 
     ref = tps(parts[AR])
+    ar_decode = _decode_sum(parts[AR])
     rows = []
     for name in sorted(parts, key=display_rank):
         ms = parts[name]
         counters = sum_counters([m.counters for m in ms])
         rate = tps(ms)
+        decode, tau = _decode_sum(ms), counters.acceptance_length if counters else None
+        bound = tau_bound(tau, ar_decode, decode) if tau is not None and decode and ar_decode else None
         rows.append(
             BenchRow(
                 name=name,
@@ -162,9 +168,16 @@ def rows_from_measurements(parts: dict[str, list[Measurement]], cell: Cell) -> l
                 acceptance_length=counters.acceptance_length if counters else None,
                 per_position_acceptance=counters.per_position_acceptance if counters else None,
                 verify_rate=counters.verify_rate if counters else None,
+                tau_bound=bound,
             )
         )
     return rows
+
+
+def _decode_sum(ms: list[Measurement]) -> DecodeTimes | None:
+    """Summed decode-phase times of our engine's measurements (None for other stacks)."""
+    parts = [m.decode for m in ms if m.decode is not None]
+    return sum(parts, DecodeTimes()) if parts else None
 
 
 # ---- the whole bench ------------------------------------------------------------------------------------------------
@@ -544,7 +557,7 @@ def _fmt(v: float | None, spec: str) -> str:
 
 def markdown_table(rows: Sequence[BenchRow], max_positions: int = 8) -> str:
     head = (
-        "| method | dataset | T | conc | prompts | out tok | tok/s | speed-up | τ | verify rate "
+        "| method | dataset | T | conc | prompts | out tok | tok/s | speed-up | τ-bound | τ | verify rate "
         "| per-position acceptance |"
     )
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
@@ -553,7 +566,8 @@ def markdown_table(rows: Sequence[BenchRow], max_positions: int = 8) -> str:
         pos_s = "–" if pos is None else " ".join(f"{p:.2f}" for p in pos[:max_positions])
         lines.append(
             f"| {r.name} | {r.dataset} | {r.temperature:g} | {r.concurrency} | {r.num_prompts} | {r.output_tokens} "
-            f"| {r.tokens_per_s:.1f} | {r.speedup_vs_ar:.2f}x | {_fmt(r.acceptance_length, '.2f')} "
+            f"| {r.tokens_per_s:.1f} | {r.speedup_vs_ar:.2f}x | {_fmt(r.tau_bound, '.2f')}{'x' if r.tau_bound else ''} "
+            f"| {_fmt(r.acceptance_length, '.2f')} "
             f"| {_fmt(r.verify_rate, '.2f')} | {pos_s} |"
         )
     return "\n".join(lines)

@@ -23,7 +23,10 @@ from dspark.engine.request import Request, Status
 from dspark.engine.runner import ModelRunner
 from dspark.engine.scheduler import PrefillChunk, Scheduler
 from dspark.models.drafter import DSparkDrafter
+from dspark.models.llama import LlamaTarget
 from dspark.models.protocol import Target
+from dspark.models.target import MLATarget
+from dspark.profiling import scope
 from dspark.sampling_params import SamplingParams
 from dspark.spec.accept import accept, sample_next
 from dspark.spec.propose import Proposal, SamplingTensors
@@ -97,6 +100,10 @@ class Engine:
             raise ConfigError(f"speculative config: method '{self.spec.method}' needs a drafter ('model' key)")
         self.target = target
         self.drafter = drafter if self.spec is not None and self.spec.method != "ngram" else None
+        if isinstance(target, (MLATarget, LlamaTarget)):
+            target.fuse_for_inference()
+        if self.drafter is not None:
+            self.drafter.fuse_for_inference()
         tcfg = target.config
         self.max_model_len = self.cfg.max_model_len or min(tcfg.max_position_embeddings, 32768)
         self.tokenizer = tokenizer or ByteTokenizer(tcfg.vocab_size, tcfg.eos_token_ids, tcfg.bos_token_id)
@@ -180,7 +187,8 @@ class Engine:
 
     # ---- the loop --------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
+        with scope("step.schedule"):
+            sched = self.scheduler.schedule()
         self.metrics.num_preemptions += len(sched.preempted)
         for req in sched.preempted:  # recomputed from scratch when rescheduled
             self.runner.release_state(req.request_id)
@@ -219,11 +227,16 @@ class Engine:
 
     # ---- phases ------------------------------------------------------------------------------------------
     def _decode(self, decodes: list[Request]) -> None:
-        sampling = self.runner.sampling_tensors(decodes, self.K + 1)
+        t0 = time.perf_counter()
+        with scope("step.metadata"):
+            sampling = self.runner.sampling_tensors(decodes, self.K + 1)
         proposal = self._propose(decodes, sampling)  # drafter block, n-gram lookup, or none
+        t1 = time.perf_counter()
         lengths = self._verify_lengths(decodes, proposal)  # fixed K or Algorithm 1
         logits = self._verify(decodes, proposal, lengths)  # one target forward over [anchor, d_1..d_L]
+        t2 = time.perf_counter()
         self._accept_and_commit(decodes, proposal, lengths, logits, sampling)
+        self.metrics.decode = self.metrics.decode.plus(t1 - t0, t2 - t1, time.perf_counter() - t0)
 
     def _prefill(self, chunks: list[PrefillChunk]) -> None:
         reqs = [c.request for c in chunks]
@@ -282,15 +295,22 @@ class Engine:
         logits: torch.Tensor,
         sampling: SamplingTensors,
     ) -> None:
-        if proposal is None:
-            accepted = [0] * len(reqs)
-            nxt = sample_next(logits[:, 0], sampling).tolist()
-        else:
-            rule = self.spec.rejection_sample_method if self.spec else "standard"
-            K = self.K
-            padded = torch.nn.functional.pad(logits, (0, 0, 0, K + 1 - logits.shape[1]))
-            res = accept(proposal, torch.tensor(lengths), padded, sampling, rule)
-            accepted, nxt = res.num_accepted.tolist(), res.next_token.tolist()
+        with scope("step.accept"):
+            if proposal is None:
+                accepted = [0] * len(reqs)
+                nxt = sample_next(logits[:, 0], sampling).tolist()
+            else:
+                rule = self.spec.rejection_sample_method if self.spec else "standard"
+                K = self.K
+                padded = torch.nn.functional.pad(logits, (0, 0, 0, K + 1 - logits.shape[1]))
+                res = accept(proposal, torch.tensor(lengths), padded, sampling, rule)
+                accepted, nxt = res.num_accepted.tolist(), res.next_token.tolist()
+        with scope("step.commit"):
+            self._commit(reqs, proposal, lengths, accepted, nxt)
+
+    def _commit(
+        self, reqs: list[Request], proposal: Proposal | None, lengths: list[int], accepted: list[int], nxt: list[int]
+    ) -> None:
         self.metrics.spec.num_steps += 1
         for i, req in enumerate(reqs):
             n = accepted[i]

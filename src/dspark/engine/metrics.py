@@ -60,9 +60,43 @@ class SpecDecodingMetrics:
         )
 
 
+@dataclass(frozen=True)
+class DecodeTimes:
+    """Wall seconds of the decode phase (one per engine step that decodes), split into proposing the drafts
+    (drafter pass + Markov loop, or n-gram lookup) and the target's verify forward. Snapshots subtract."""
+
+    steps: int = 0
+    propose_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0  # propose + verify + acceptance + commit
+
+    def plus(self, propose_s: float, verify_s: float, total_s: float) -> DecodeTimes:
+        return DecodeTimes(self.steps + 1, self.propose_s + propose_s, self.verify_s + verify_s, self.total_s + total_s)
+
+    def __sub__(self, o: DecodeTimes) -> DecodeTimes:
+        return DecodeTimes(
+            self.steps - o.steps, self.propose_s - o.propose_s, self.verify_s - o.verify_s, self.total_s - o.total_s
+        )
+
+    def __add__(self, o: DecodeTimes) -> DecodeTimes:
+        return DecodeTimes(
+            self.steps + o.steps, self.propose_s + o.propose_s, self.verify_s + o.verify_s, self.total_s + o.total_s
+        )
+
+
+def tau_bound(tau: float, ar: DecodeTimes, spec: DecodeTimes) -> float | None:
+    """Speed-up speculation could reach over autoregressive decoding if nothing but its measured costs counted:
+    τ tokens per round for one draft pass + one verify forward, against one plain decode step per token,
+    τ · t_AR_step / (t_propose + t_verify), from per-step means at the same concurrency."""
+    if not ar.steps or not spec.steps or spec.propose_s + spec.verify_s <= 0:
+        return None
+    return tau * (ar.total_s / ar.steps) / ((spec.propose_s + spec.verify_s) / spec.steps)
+
+
 @dataclass
 class EngineMetrics:
     spec: SpecDecodingMetrics = field(default_factory=SpecDecodingMetrics)
+    decode: DecodeTimes = field(default_factory=DecodeTimes)
     num_requests_finished: int = 0
     num_requests_aborted: int = 0
     num_requests_failed: int = 0  # finished with an error (see Engine._isolated)

@@ -17,6 +17,7 @@ from dspark.config import ConfigError
 from dspark.engine.request import Request
 from dspark.models.drafter import DSparkDrafter
 from dspark.models.protocol import Target
+from dspark.profiling import scope
 from dspark.spec.propose import Proposal, SamplingTensors, draft_block, ngram_propose
 from dspark.spec.rng import round_counters
 
@@ -61,32 +62,31 @@ class ModelRunner:
         self._pending: SlotStates | None = None  # the last forward's new states, installed by commit_states
 
     # ---- batch building ------------------------------------------------------------------------------
-    def _slot_map(self, req: Request, end: int) -> torch.Tensor:
-        """Flat slots of positions 0..end-1 for req, from its block table."""
-        page = self.pool.page_size
-        pages = torch.tensor(self.blocks.table(req.request_id).pages, dtype=torch.long)
-        pos = torch.arange(end)
-        return pages[pos // page] * page + pos % page
+    def _page_table(self, reqs: Sequence[Request]) -> torch.Tensor:
+        """Block tables [B, P] padded with the scratch page (one tensor built from one nested list)."""
+        tables = [self.blocks.table(r.request_id).pages for r in reqs]
+        width = max(len(p) for p in tables)
+        pad = [self.pool.num_pages]
+        return torch.tensor([p + pad * (width - len(p)) for p in tables], dtype=torch.long)
 
     def build(self, reqs: Sequence[Request], starts: Sequence[int], tokens: Sequence[Sequence[int]]) -> Batch:
-        """Rows of new tokens at positions start..start+len-1 per request, causal over each request's prefix."""
-        B = len(reqs)
-        T = max(len(t) for t in tokens)
-        S = max(s + len(t) for s, t in zip(starts, tokens))
+        """Rows of new tokens at positions start..start+len-1 per request, causal over each request's prefix.
+
+        Built once per step for every layer, with a fixed number of tensor ops whatever the batch size: the
+        Python side only flattens the token lists and block tables."""
+        lens = [len(t) for t in tokens]
+        T, S = max(lens), max(s + n for s, n in zip(starts, lens))
         scratch = self.pool.scratch_slot
-        ids = torch.zeros(B, T, dtype=torch.long)
-        positions = torch.zeros(B, T, dtype=torch.long)
-        write = torch.full((B, T), scratch, dtype=torch.long)
-        read = torch.full((B, S), scratch, dtype=torch.long)
-        for i, (req, s, t) in enumerate(zip(reqs, starts, tokens)):
-            end = s + len(t)
-            slots = self._slot_map(req, end)
-            ids[i, : len(t)] = torch.tensor(list(t), dtype=torch.long)
-            positions[i, : len(t)] = torch.arange(s, end)
-            write[i, : len(t)] = slots[s:end]
-            read[i, :end] = slots
-        lengths = torch.tensor([len(t) for t in tokens], dtype=torch.long)
+        lengths = torch.tensor(lens, dtype=torch.long)
+        start = torch.tensor(starts, dtype=torch.long)
+        positions = start[:, None] + torch.arange(T)  # [B, T] (padding rows continue past the end)
+        valid = torch.arange(T) < lengths[:, None]
+        ids = torch.zeros(len(reqs), T, dtype=torch.long)
+        ids[valid] = torch.tensor([tok for t in tokens for tok in t], dtype=torch.long)
         keys = torch.arange(S)
+        read = self.context_slots(reqs, [s + n for s, n in zip(starts, lens)])  # [B, S]
+        write = torch.where(valid, read.gather(1, positions.clamp(max=S - 1)), scratch)  # [B, T]
+        positions = torch.where(valid, positions, 0)  # padding rows: position 0, see key 0 only
         mask = keys[None, None, :] <= positions[:, :, None]
         return Batch(ids, positions, write, read, mask, lengths)
 
@@ -125,16 +125,19 @@ class ModelRunner:
         """Run the target on new tokens, write its latents, inject drafter context; return fp32 logits
         [B, 1, V] at each request's last new row (last_only) or [B, T, V] at every row. A stateful target's new
         states wait for ``commit_states`` (per_row_states: keep the state after every row, for verification)."""
-        batch = self.build(reqs, starts, tokens)
+        with scope("step.metadata"):
+            batch = self.build(reqs, starts, tokens)
         store = self.pool.view(batch.write_slots, batch.read_slots)
         rows = (batch.lengths - 1)[:, None] if last_only else None
         extra = self._state_args(reqs, starts, batch, per_row_states)
         extra |= self.tap_args
-        out = self.target(batch.ids, batch.positions, batch.mask, store, self.taps, logits_rows=rows, **extra)
+        with scope("target.forward"):
+            out = self.target(batch.ids, batch.positions, batch.mask, store, self.taps, logits_rows=rows, **extra)
         if self.drafter is not None and out.taps is not None:
             assert self.draft_pool is not None
             draft_store = self.draft_pool.view(batch.write_slots, batch.read_slots, self.draft_layer_offset)
-            self.drafter.inject_context(out.taps, batch.positions, draft_store)
+            with scope("draft.context"):
+                self.drafter.inject_context(out.taps, batch.positions, draft_store)
         assert out.logits is not None
         return out.logits
 
@@ -150,25 +153,27 @@ class ModelRunner:
         """One drafter block per request; with a draft window the drafter reads only its last ``draft_window``
         context rows (the target still attends to all of them)."""
         assert self.drafter is not None
-        starts = [r.num_computed for r in reqs]
-        anchors = torch.tensor([r.all_ids[s] for r, s in zip(reqs, starts)], dtype=torch.long)
-        positions = torch.tensor(starts, dtype=torch.long)
-        if self.draft_window is None:
-            read, rows = self.context_slots(reqs, starts), positions
-        else:
-            read, rows = self.window_slots(reqs, positions, self.draft_window)
-        assert self.draft_pool is not None
-        context = self.draft_pool.view(read[:, :0], read, self.draft_layer_offset)  # read only: no new rows
+        with scope("step.metadata"):
+            starts = [r.num_computed for r in reqs]
+            anchors = torch.tensor([r.all_ids[s] for r, s in zip(reqs, starts)], dtype=torch.long)
+            positions = torch.tensor(starts, dtype=torch.long)
+            if self.draft_window is None:
+                read, rows = self.context_slots(reqs, starts), positions
+            else:
+                read, rows = self.window_slots(reqs, positions, self.draft_window)
+            assert self.draft_pool is not None
+            context = self.draft_pool.view(read[:, :0], read, self.draft_layer_offset)  # read only: no new rows
         return draft_block(
             self.drafter, anchors, positions, context, sampling, probabilistic, use_markov, topk, context_rows=rows
         )
 
     def context_slots(self, reqs: Sequence[Request], ends: Sequence[int]) -> torch.Tensor:
         """[B, max(ends)] flat slots of positions 0..end-1 per request (scratch slot after its end)."""
-        read = torch.full((len(reqs), max(ends)), self.pool.scratch_slot, dtype=torch.long)
-        for i, (req, end) in enumerate(zip(reqs, ends)):
-            read[i, :end] = self._slot_map(req, end)
-        return read
+        page, S = self.pool.page_size, max(ends)
+        table = self._page_table(reqs)  # [B, P]
+        keys = torch.arange(S)
+        read = _slots(table, keys.expand(len(reqs), S).clamp(max=table.shape[1] * page - 1), page)
+        return torch.where(keys < torch.tensor(ends, dtype=torch.long)[:, None], read, self.pool.scratch_slot)
 
     def window_slots(
         self, reqs: Sequence[Request], ends: torch.Tensor, window: int
@@ -178,12 +183,9 @@ class ModelRunner:
         page = self.pool.page_size
         rows = ends.clamp(max=window)  # [B]
         keys = torch.arange(int(rows.max()) if len(reqs) else 0)
-        tables = [self.blocks.table(r.request_id).pages for r in reqs]
-        width = max(len(t) for t in tables)
-        table = torch.tensor([t + [self.pool.num_pages] * (width - len(t)) for t in tables], dtype=torch.long)
         valid = keys[None, :] < rows[:, None]  # [B, S]
         pos = torch.where(valid, (ends - rows)[:, None] + keys, 0)  # absolute positions end-rows..end-1
-        slots = table.gather(1, pos // page) * page + pos % page
+        slots = _slots(self._page_table(reqs), pos, page)
         return torch.where(valid, slots, self.pool.scratch_slot), rows
 
     @staticmethod
@@ -202,3 +204,8 @@ class ModelRunner:
             seeds=torch.tensor([r.seed for r in reqs], dtype=torch.long),
             counters=round_counters(anchor_pos, num_slots),
         )
+
+
+def _slots(table: torch.Tensor, positions: torch.Tensor, page: int) -> torch.Tensor:
+    """Flat pool slots of positions [B, N] through block tables [B, P]."""
+    return table.gather(1, positions // page) * page + positions % page

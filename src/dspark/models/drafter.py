@@ -22,10 +22,11 @@ from torch import nn
 
 from dspark.config import DraftConfig
 from dspark.models.heads import ConfidenceHead, MarkovHead
-from dspark.models.layers import RMSNorm, SwiGLU, no_empty_rows
+from dspark.models.layers import RMSNorm, SwiGLU, attention_bias, no_empty_rows
 from dspark.models.mla import LatentStore, MLAttention
 from dspark.models.protocol import PageFormat
 from dspark.models.rope import RotaryEmbedding, apply_rope
+from dspark.profiling import scope
 
 # our module name prefix → DeepSpec Qwen3DSparkModel name prefix
 GQA_NAMES = {"context_proj.": "fc.", "context_norm.": "hidden_norm.", "final_norm.": "norm."}
@@ -65,12 +66,13 @@ class GQAttention(nn.Module):
         k, v = kv.to(q.dtype).view(B, S, 2, self.num_kv, self.head_dim).unbind(2)
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, kvH, S, hd]
         if self.backend == "sdpa":
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=self.scale, enable_gqa=True)
+            bias = attention_bias(mask).to(q.dtype)  # [B, 1, T, S]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scale, enable_gqa=True)
         else:  # explicit: repeat the KV heads, fp32 scores and softmax
             rep = self.num_heads // self.num_kv
             k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
             scores = (q.float() @ k.float().transpose(-1, -2)) * self.scale  # [B, H, T, S]
-            probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1)
+            probs = (scores + attention_bias(mask)).softmax(-1)
             out = probs.to(v.dtype) @ v
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
@@ -101,9 +103,11 @@ class DraftLayer(nn.Module):
         if ctx is not None:
             assert rope_ctx is not None
             latent = torch.cat((self.self_attn.latent(ctx, *rope_ctx), latent), 1)  # context rows first
-        kv = latent if store is None else store.update(self.self_attn.layer_idx, latent)
+        with scope("cache"):
+            kv = latent if store is None else store.update(self.self_attn.layer_idx, latent)
         h = h + self.self_attn.attend_from_kv(x, *rope_block, kv, mask, absorbed)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        with scope("mlp"):
+            return h + self.mlp(self.post_attention_layernorm(h))
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,12 @@ class DSparkDrafter(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rope)
         # borrowed, not registered as parameters (never saved in model.safetensors, never trained)
         self._borrowed: dict[str, nn.Module] = {}
+
+    def fuse_for_inference(self) -> None:
+        """Fused gate|up MLP weights for inference (see MLATarget.fuse_for_inference). Idempotent."""
+        with torch.inference_mode(False), torch.no_grad():
+            for layer in self.layers:
+                layer.mlp.fuse()
 
     # ---- borrowed target modules -------------------------------------------------------------------
     def set_attention_backend(self, backend: str | None) -> None:
@@ -209,7 +219,7 @@ class DSparkDrafter(nn.Module):
             assert ctx_positions is not None
             ctx = self.fuse_context(ctx_taps)
             rope_ctx = self.rotary.cos_sin(ctx_positions)
-        mask = no_empty_rows(mask)
+        mask = attention_bias(no_empty_rows(mask))  # once for every layer
         for layer in self.layers:
             h = layer(h, ctx, rope_block, rope_ctx, mask, store, absorbed)
         h = self.final_norm(h)

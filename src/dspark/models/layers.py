@@ -16,23 +16,72 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        # one fused kernel; the same fp32 arithmetic as x * rsqrt(mean(x²) + eps) (bitwise, tested)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class SwiGLU(nn.Module):
-    """down_proj(silu(gate_proj(x)) · up_proj(x))."""
+    """down_proj(silu(gate_proj(x)) · up_proj(x)) (biases optional, as Llama's mlp_bias)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.fused_gate_up()
+        if gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, gate_up, self.__dict__.get("_gate_up_bias")).chunk(2, dim=-1)  # one GEMM for both
+        # silu on a contiguous gate: the vectorised kernel, bit-identical to the unfused path
+        return self.down_proj(F.silu(gate.contiguous()) * up)
+
+    def fuse(self, gate_up: torch.Tensor | None = None) -> None:
+        """Store gate_proj and up_proj weights in one [2I, D] tensor (``gate_up``, or a new one) and make the two
+        weights views of it, so inference runs one GEMM for both; the parameters keep their names and values."""
+        inter = self.gate_proj.weight.shape[0]
+        if gate_up is None and self._linked_gate_up() is not None:
+            return  # already fused
+        with torch.no_grad():
+            if gate_up is None:
+                gate_up = torch.cat((self.gate_proj.weight, self.up_proj.weight))
+            else:
+                gate_up.copy_(torch.cat((self.gate_proj.weight, self.up_proj.weight)))
+        for lin, part in ((self.gate_proj, gate_up[:inter]), (self.up_proj, gate_up[inter:])):
+            lin.weight = nn.Parameter(part, requires_grad=lin.weight.requires_grad)
+        self._gate_up = gate_up
+        if self.gate_proj.bias is not None:
+            with torch.no_grad():
+                bias = torch.cat((self.gate_proj.bias, self.up_proj.bias))
+            for lin, part in ((self.gate_proj, bias[:inter]), (self.up_proj, bias[inter:])):
+                lin.bias = nn.Parameter(part, requires_grad=lin.bias.requires_grad)
+            self._gate_up_bias = bias
+
+    def fused_gate_up(self) -> torch.Tensor | None:
+        """The fused [2I, D] weight while both projections still live in it (a .to() or a re-assigned weight
+        breaks the link; the module then falls back to two GEMMs). None in grad mode (training)."""
+        return None if torch.is_grad_enabled() else self._linked_gate_up()
+
+    def _linked_gate_up(self) -> torch.Tensor | None:
+        g = self.__dict__.get("_gate_up")
+        if g is None:
+            return None
+        if not _halves_of(g, self.gate_proj.weight, self.up_proj.weight):
+            return None
+        if self.gate_proj.bias is not None and not _halves_of(
+            self.__dict__.get("_gate_up_bias"), self.gate_proj.bias, self.up_proj.bias
+        ):
+            return None
+        return g
+
+
+def _halves_of(fused: torch.Tensor | None, first: torch.Tensor, second: torch.Tensor) -> bool:
+    """first and second are still the two halves of fused (pointer arithmetic only: no tensor op)."""
+    if fused is None or first.dtype != fused.dtype or second.dtype != fused.dtype:
+        return False
+    start = fused.data_ptr()
+    return first.data_ptr() == start and second.data_ptr() == start + first.numel() * first.element_size()
 
 
 def causal_mask(q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
@@ -43,3 +92,12 @@ def causal_mask(q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.T
 def no_empty_rows(mask: torch.Tensor) -> torch.Tensor:
     """Padding query rows that see no key get to see every key (their output is ignored), so softmax is finite."""
     return mask | ~mask.any(-1, keepdim=True)
+
+
+def attention_bias(mask: torch.Tensor) -> torch.Tensor:
+    """bool mask [B, T, S] → additive fp32 bias [B, 1, T, S] (0 visible, -inf hidden), built once per forward
+    for every layer; a bias passes through unchanged. Adding it equals masked_fill(-inf) bit for bit."""
+    if mask.dtype != torch.bool:
+        return mask
+    bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    return bias.masked_fill_(~mask, float("-inf"))[:, None]

@@ -16,9 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.config import GQATargetConfig
-from dspark.models.layers import RMSNorm, causal_mask, no_empty_rows
+from dspark.models.layers import RMSNorm, SwiGLU, attention_bias, causal_mask, no_empty_rows
 from dspark.models.protocol import CacheView, PageFormat, StateSpec, TargetOutput
 from dspark.models.rope import RotaryEmbedding, apply_rope
+from dspark.profiling import scope
 
 
 class GQAttention(nn.Module):
@@ -47,34 +48,26 @@ class GQAttention(nn.Module):
         return torch.cat((k.flatten(2), self.v_proj(x)), -1)
 
     def forward(self, x, cos, sin, mask: torch.Tensor, cache: CacheView | None) -> torch.Tensor:
-        """x [B, T, D]; cos/sin [B, T, hd/2]; mask [B, T, S] over the keys the cache returns → [B, T, D]."""
+        """x [B, T, D]; cos/sin [B, T, hd/2]; mask [B, T, S] (or its attention_bias [B, 1, T, S]) over the keys
+        the cache returns → [B, T, D]."""
         B, T, _ = x.shape
-        rows = self.kv_rows(x, cos, sin)
-        kv = rows if cache is None else cache.update(self.layer_idx, rows)
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        q = apply_rope(q, cos[:, :, None], sin[:, :, None], interleave=False).transpose(1, 2)  # [B, H, T, hd]
-        S = kv.shape[1]
-        k, v = kv.to(q.dtype).view(B, S, 2, self.num_kv, self.head_dim).unbind(2)  # [B, S, n_kv, hd] each
-        out = F.scaled_dot_product_attention(
-            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], scale=self.scale, enable_gqa=True
-        )
-        return self.o_proj(out.transpose(1, 2).flatten(2))
-
-
-class MLP(nn.Module):
-    """down_proj(silu(gate_proj(x)) · up_proj(x)), with Llama's optional biases."""
-
-    def __init__(self, cfg: GQATargetConfig) -> None:
-        super().__init__()
-        D, F_, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = nn.Linear(D, F_, bias=bias)
-        self.up_proj = nn.Linear(D, F_, bias=bias)
-        self.down_proj = nn.Linear(F_, D, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        with scope("attn.proj"):
+            rows = self.kv_rows(x, cos, sin)
+        with scope("cache"):
+            kv = rows if cache is None else cache.update(self.layer_idx, rows)
+        with scope("attn.proj"):
+            q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+            if self.q_norm is not None:
+                q = self.q_norm(q)
+            q = apply_rope(q, cos[:, :, None], sin[:, :, None], interleave=False).transpose(1, 2)  # [B, H, T, hd]
+        with scope("attn.core"):
+            S = kv.shape[1]
+            k, v = kv.to(q.dtype).view(B, S, 2, self.num_kv, self.head_dim).unbind(2)  # [B, S, n_kv, hd] each
+            bias = attention_bias(mask).to(q.dtype)
+            out = F.scaled_dot_product_attention(
+                q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias, scale=self.scale, enable_gqa=True
+            )
+            return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
 class DecoderLayer(nn.Module):
@@ -83,11 +76,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = GQAttention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)  # Llama's MLP
 
     def forward(self, h, cos, sin, mask, cache: CacheView | None) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        with scope("norm"):
+            x = self.input_layernorm(h)
+        h = h + self.self_attn(x, cos, sin, mask, cache)
+        with scope("norm"):
+            x = self.post_attention_layernorm(h)
+        with scope("mlp"):
+            return h + self.mlp(x)
 
 
 class _Backbone(nn.Module):
@@ -111,6 +109,12 @@ class LlamaTarget(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.rope)
+
+    def fuse_for_inference(self) -> None:
+        """Fused gate|up MLP weights for the inference path (see MLATarget.fuse_for_inference). Idempotent."""
+        with torch.inference_mode(False), torch.no_grad():
+            for layer in self.model.layers:
+                layer.mlp.fuse()
 
     @property
     def page_format(self) -> PageFormat:
@@ -142,18 +146,21 @@ class LlamaTarget(nn.Module):
         B, T = input_ids.shape
         if positions is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
-        mask = no_empty_rows(causal_mask(positions, positions) if mask is None else mask)
-        cos, sin = self.rotary.cos_sin(positions)
-        h = self.model.embed_tokens(input_ids)
+        with scope("embed"):
+            mask = no_empty_rows(causal_mask(positions, positions) if mask is None else mask)
+            mask = attention_bias(mask).to(self.model.embed_tokens.weight.dtype)  # once for every layer
+            cos, sin = self.rotary.cos_sin(positions)
+            h = self.model.embed_tokens(input_ids)
         wanted = set(tap_layers)
         taps = [h] if -1 in wanted else []
         for i, layer in enumerate(self.model.layers):
             h = layer(h, cos, sin, mask, cache)
             if i in wanted:
                 taps.append(h)
-        h = self.model.norm(h)
-        logits = None
-        if compute_logits:
-            rows = h if logits_rows is None else h.gather(1, logits_rows[..., None].expand(-1, -1, h.shape[-1]))
-            logits = self.lm_head(rows).float()
+        with scope("lm_head"):
+            h = self.model.norm(h)
+            logits = None
+            if compute_logits:
+                rows = h if logits_rows is None else h.gather(1, logits_rows[..., None].expand(-1, -1, h.shape[-1]))
+                logits = self.lm_head(rows).float()
         return TargetOutput(logits=logits, taps=torch.cat(taps, -1) if taps else None, hidden=h)

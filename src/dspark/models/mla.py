@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.config import MLAConfig
-from dspark.models.layers import RMSNorm
+from dspark.models.layers import RMSNorm, attention_bias
 from dspark.models.rope import apply_rope
+from dspark.profiling import scope
 
 
 class LatentStore(Protocol):
@@ -79,12 +80,28 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.cfg.num_heads, -1, self.cfg.kv_lora_rank)
         return w[:, : self.cfg.qk_nope_head_dim], w[:, self.cfg.qk_nope_head_dim :]
 
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, Dn, C] (a view of kv_b_proj) and W_UV transposed [H, C, Dv], contiguous outside grad mode: CPU
+        bf16 GEMMs on a transposed view are ~20x slower. Cached; rebuilt whenever kv_b_proj's weight changes
+        (pointer, dtype, in-place version)."""
+        if torch.is_grad_enabled():
+            w_uk, w_uv = self._w_uk_uv()
+            return w_uk, w_uv.transpose(1, 2)
+        w = self.kv_b_proj.weight
+        key = (w.data_ptr(), w.dtype, _version(w))
+        cached = self.__dict__.get("_absorbed_cache")
+        if cached is None or cached[0] != key:
+            w_uk, w_uv = self._w_uk_uv()
+            cached = (key, (w_uk, w_uv.transpose(1, 2).contiguous()))
+            self.__dict__["_absorbed_cache"] = cached
+        return cached[1]
+
     # ---- attention over latents ----------------------------------------------------------------------
 
     def attend_naive(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
-        """q_nope [B,T,H,Dn], q_pe [B,T,H,R], kv [B,S,C+R], mask [B,T,S] bool → [B,T,H·Dv]."""
+        """q_nope [B,T,H,Dn], q_pe [B,T,H,R], kv [B,S,C+R], mask [B,T,S] bool (or its attention_bias) → [B,T,H·Dv]."""
         B, S, _ = kv.shape
         H, Dn, Dv, C = self.cfg.num_heads, self.cfg.qk_nope_head_dim, self.cfg.v_head_dim, self.cfg.kv_lora_rank
         k_nope, v = self.kv_b_proj(kv[..., :C]).view(B, S, H, Dn + Dv).split([Dn, Dv], -1)
@@ -92,36 +109,37 @@ class MLAttention(nn.Module):
         q = torch.cat((q_nope, q_pe), -1).transpose(1, 2)  # [B, H, T, Dn+R]
         k = torch.cat((k_nope, k_pe), -1).transpose(1, 2)  # [B, H, S, Dn+R]
         if self.backend == "sdpa":
-            out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), attn_mask=mask[:, None], scale=self.scale)
+            out = F.scaled_dot_product_attention(
+                q, k, v.transpose(1, 2), attn_mask=attention_bias(mask).to(q.dtype), scale=self.scale
+            )
             return out.transpose(1, 2).flatten(2)
         scores = (q.float() @ k.float().transpose(-1, -2)) * self.scale
-        scores = scores.masked_fill(~mask[:, None], float("-inf"))
-        probs = scores.softmax(-1).to(v.dtype)
+        probs = (scores + attention_bias(mask)).softmax(-1).to(v.dtype)
         out = probs @ v.transpose(1, 2)  # [B, H, T, Dv]
         return out.transpose(1, 2).flatten(2)
 
     def attend_absorbed(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
-        """Same contract as attend_naive, computed in latent space (MQA with one 576-wide KV head)."""
-        B, T, H, _ = q_nope.shape
+        """Same contract as attend_naive, computed in latent space (MQA with one 576-wide KV head): five large
+        matmuls (W_UK absorption, scores, probs·latents, W_UV) batched over requests and heads."""
+        B, T, H, Dn = q_nope.shape
         C = self.cfg.kv_lora_rank
-        w_uk, w_uv = self._w_uk_uv()
-        q_lat = torch.einsum("bthd,hdc->bhtc", q_nope, w_uk)  # [B, H, T, C]
+        w_uk, w_uv_t = self._absorbed_weights()
+        q_lat = torch.matmul(q_nope.permute(2, 0, 1, 3).reshape(H, B * T, Dn), w_uk)  # [H, B·T, C]
+        q = torch.cat((q_lat.view(H, B, T, C).transpose(0, 1), q_pe.transpose(1, 2)), -1)  # [B, H, T, C+R]
         if self.backend == "sdpa":  # MQA: H query heads over one 576-wide KV head, values = its first C
-            q = torch.cat((q_lat, q_pe.transpose(1, 2)), -1)  # [B, H, T, C+R]
             kv1 = kv[:, None]  # [B, 1, S, C+R]
+            bias = attention_bias(mask).to(q.dtype)
             o_lat = F.scaled_dot_product_attention(
-                q, kv1, kv1[..., :C], attn_mask=mask[:, None], scale=self.scale, enable_gqa=True
+                q, kv1, kv1[..., :C], attn_mask=bias, scale=self.scale, enable_gqa=True
             )  # [B, H, T, C]
-            return torch.einsum("bhtc,hdc->bthd", o_lat, w_uv).flatten(2)
-        q = torch.cat((q_lat, q_pe.transpose(1, 2)), -1).reshape(B, H * T, -1)  # heads share one KV head
-        scores = (q @ kv.transpose(1, 2)).float() * self.scale  # [B, H·T, S]
-        scores = scores.view(B, H, T, -1).masked_fill(~mask[:, None], float("-inf"))
-        probs = scores.softmax(-1).to(kv.dtype).view(B, H * T, -1)
-        o_lat = (probs @ kv[..., :C]).view(B, H, T, C)
-        out = torch.einsum("bhtc,hdc->bthd", o_lat, w_uv)  # [B, T, H, Dv]
-        return out.flatten(2)
+        else:
+            scores = latent_scores(q.reshape(B, H * T, -1), kv).mul_(self.scale).view(B, H, T, -1)  # fp32
+            probs = (scores + attention_bias(mask)).softmax(-1).to(kv.dtype).view(B, H * T, -1)
+            o_lat = torch.matmul(probs, kv[..., :C]).view(B, H, T, C)
+        out = torch.matmul(o_lat.transpose(0, 1).reshape(H, B * T, C), w_uv_t)  # [H, B·T, Dv]
+        return out.view(H, B, T, -1).permute(1, 2, 0, 3).flatten(2)  # [B, T, H·Dv]
 
     def forward(
         self,
@@ -132,9 +150,11 @@ class MLAttention(nn.Module):
         store: LatentStore | None = None,
         absorbed: bool = True,
     ) -> torch.Tensor:
-        """x [B,T,D]; cos/sin [B,T,R/2]; mask [B,T,S] (S = T without a store) → [B,T,D]."""
-        latent = self.latent(x, cos, sin)
-        kv = latent if store is None else store.update(self.layer_idx, latent)
+        """x [B,T,D]; cos/sin [B,T,R/2]; mask [B,T,S] or attention_bias [B,1,T,S] (S = T without a store) → [B,T,D]."""
+        with scope("attn.proj"):
+            latent = self.latent(x, cos, sin)
+        with scope("cache"):
+            kv = latent if store is None else store.update(self.layer_idx, latent)
         return self.attend_from_kv(x, cos, sin, kv, mask, absorbed)
 
     def attend_from_kv(
@@ -147,9 +167,28 @@ class MLAttention(nn.Module):
         absorbed: bool = True,
     ) -> torch.Tensor:
         """Queries from x [B,T,D] over given latents kv [B,S,C+R] → [B,T,D] (used by the drafter's block rows)."""
-        q_nope, q_pe = self.query(x, cos, sin)
-        attend = self.attend_absorbed if absorbed else self.attend_naive
-        out = attend(q_nope, q_pe, kv.to(q_nope.dtype), mask)
-        if self.cfg.use_output_gate:
-            out = out * torch.sigmoid(self.g_proj(x))
-        return self.o_proj(out)
+        with scope("attn.proj"):
+            q_nope, q_pe = self.query(x, cos, sin)
+        with scope("attn.core"):
+            attend = self.attend_absorbed if absorbed else self.attend_naive
+            out = attend(q_nope, q_pe, kv.to(q_nope.dtype), mask)
+            if self.cfg.use_output_gate:
+                out = out * torch.sigmoid(self.g_proj(x))
+            return self.o_proj(out)
+
+
+def latent_scores(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """q [B, M, W] · kv [B, S, W]ᵀ → contiguous fp32 [B, M, S]. In reduced precision the product is taken as
+    (kv · qᵀ)ᵀ: CPU bf16 GEMMs with a transposed right operand are ~10x slower, and qᵀ is small to copy."""
+    if q.dtype == torch.float32:
+        return torch.matmul(q, kv.transpose(1, 2))
+    scores_t = torch.matmul(kv, q.transpose(1, 2).contiguous())  # [B, S, M]
+    return scores_t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+
+
+def _version(t: torch.Tensor) -> int:
+    """In-place modification counter (inference tensors have none and cannot change outside inference mode)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1

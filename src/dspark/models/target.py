@@ -15,10 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.config import TargetConfig
-from dspark.models.layers import RMSNorm, SwiGLU, causal_mask, no_empty_rows
+from dspark.models.layers import RMSNorm, SwiGLU, attention_bias, causal_mask, no_empty_rows
 from dspark.models.mla import LatentStore, MLAttention
 from dspark.models.protocol import PageFormat, StateSpec, TargetOutput
 from dspark.models.rope import RotaryEmbedding
+from dspark.profiling import scope
 
 
 class MoEGate(nn.Module):
@@ -70,17 +71,89 @@ class MoE(nn.Module):
             self.shared_experts = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, T, D] → [B, T, D]; loops over the experts that received tokens."""
+        """x [B, T, D] → [B, T, D]."""
         flat = x.reshape(-1, x.shape[-1])
-        idx, weights = self.gate(flat)
+        with scope("moe.route"):
+            idx, weights = self.gate(flat)
+        with scope("moe.experts"):
+            stacked = self.stacked_experts()
+            if stacked is None:
+                out = self._routed_loop(flat, idx, weights)
+            else:
+                out = grouped_experts(flat, idx, weights, stacked)
+            if self.shared_experts is not None:
+                out = out + self.shared_experts(flat)
+        return out.view_as(x)
+
+    def _routed_loop(self, flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Reference path (training / unfused weights): one masked pass per expert that received tokens."""
         out = torch.zeros_like(flat)
         for e in idx.unique().tolist():
             rows, slot = (idx == e).nonzero(as_tuple=True)
             y = self.experts[e](flat[rows]) * weights[rows, slot, None].to(flat.dtype)
             out.index_add_(0, rows, y)
+        return out
+
+    def fuse(self) -> None:
+        """Store the routed experts' weights stacked, gate|up as [E, 2I, D] and down as [E, D, I], with every
+        expert's parameters re-pointed as views into them (names and values unchanged; no extra memory)."""
+        if self._linked_stack() is not None:
+            return  # already fused
+        first = self.experts[0]
+        E, (inter, D) = len(self.experts), first.gate_proj.weight.shape
+        gate_up = first.gate_proj.weight.new_empty(E, 2 * inter, D)
+        down = first.down_proj.weight.new_empty(E, D, inter)
+        for e, expert in enumerate(self.experts):
+            expert.fuse(gate_up[e])
+            with torch.no_grad():
+                down[e].copy_(expert.down_proj.weight)
+            expert.down_proj.weight = nn.Parameter(down[e], requires_grad=expert.down_proj.weight.requires_grad)
+        self._stacked = (gate_up, down)
+        self._expert_views = list(zip(gate_up.unbind(0), down.unbind(0)))  # built once, not per forward
         if self.shared_experts is not None:
-            out = out + self.shared_experts(flat)
-        return out.view_as(x)
+            self.shared_experts.fuse()
+
+    def stacked_experts(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Per expert (gate_up [2I, D], down [D, I]) views of the stacked weights while every expert still lives
+        in them; None in grad mode (training keeps the reference loop)."""
+        if torch.is_grad_enabled() or self._linked_stack() is None:
+            return None
+        return self._expert_views
+
+    def _linked_stack(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        stacked = self.__dict__.get("_stacked")
+        if stacked is None:
+            return None
+        gate_up, down = stacked
+        gu0, gu_step = gate_up.data_ptr(), gate_up.stride(0) * gate_up.element_size()
+        d0, d_step = down.data_ptr(), down.stride(0) * down.element_size()
+        for e, expert in enumerate(self.experts):  # pointer arithmetic only: no tensor op per expert
+            g = expert._linked_gate_up()
+            if g is None or g.data_ptr() != gu0 + e * gu_step or expert.down_proj.weight.data_ptr() != d0 + e * d_step:
+                return None
+            if expert.down_proj.weight.dtype != down.dtype:
+                return None
+        return stacked
+
+
+def grouped_experts(
+    flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, experts: Sequence[tuple[torch.Tensor, torch.Tensor]]
+) -> torch.Tensor:
+    """Routed experts in one grouped pass: flat [N, D], idx/weights [N, k], experts[e] = (gate_up [2I, D],
+    down [D, I]) → [N, D]. The N·k (token, expert) pairs are sorted by expert once (one host read of the
+    per-expert counts) and split into contiguous groups; each expert with tokens runs two GEMMs on its group;
+    results are summed per token in ascending expert order, as the per-expert reference loop does."""
+    k = idx.shape[1]
+    order = idx.reshape(-1).argsort(stable=True)  # pairs grouped by expert, ascending
+    rows = order // k  # token of each sorted pair
+    counts = torch.bincount(idx.reshape(-1), minlength=len(experts)).tolist()
+    outs = []
+    for (gate_up, down), x in zip(experts, flat.index_select(0, rows).split(counts)):
+        if x.shape[0]:
+            g, u = F.linear(x, gate_up).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(g.contiguous()) * u, down))  # contiguous gate: see SwiGLU
+    y = torch.cat(outs) * weights.reshape(-1)[order, None].to(flat.dtype)
+    return torch.zeros_like(flat).index_add_(0, rows, y)
 
 
 class DecoderLayer(nn.Module):
@@ -94,8 +167,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h, cos, sin, mask, store: LatentStore | None, absorbed: bool) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, store, absorbed)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        with scope("norm"):
+            x = self.input_layernorm(h)
+        h = h + self.self_attn(x, cos, sin, mask, store, absorbed)
+        with scope("norm"):
+            x = self.post_attention_layernorm(h)
+        if isinstance(self.mlp, MoE):
+            return h + self.mlp(x)
+        with scope("mlp"):
+            return h + self.mlp(x)
 
 
 class _Backbone(nn.Module):
@@ -119,6 +199,13 @@ class MLATarget(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.rope)
+
+    def fuse_for_inference(self) -> None:
+        """Fused gate|up weights and stacked experts for the inference path (parameters become views into them;
+        names, values and the training path are unchanged). Idempotent."""
+        with torch.inference_mode(False), torch.no_grad():
+            for layer in self.model.layers:
+                layer.mlp.fuse()
 
     # the Target protocol ---------------------------------------------------------------------------
     @property
@@ -163,9 +250,10 @@ class MLATarget(nn.Module):
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
         if mask is None:
             mask = causal_mask(positions, positions)
-        mask = no_empty_rows(mask)
-        cos, sin = self.rotary.cos_sin(positions)
-        h = self.model.embed_tokens(input_ids)
+        with scope("embed"):
+            mask = attention_bias(no_empty_rows(mask))  # once for every layer
+            cos, sin = self.rotary.cos_sin(positions)
+            h = self.model.embed_tokens(input_ids)
         taps: list[torch.Tensor] = []
         wanted = set(tap_layers)
         if -1 in wanted:
@@ -174,9 +262,10 @@ class MLATarget(nn.Module):
             h = layer(h, cos, sin, mask, store, absorbed)
             if i in wanted:
                 taps.append(h)
-        h = self.model.norm(h)
-        logits = None
-        if compute_logits:
-            rows = h if logits_rows is None else h.gather(1, logits_rows[..., None].expand(-1, -1, h.shape[-1]))
-            logits = self.compute_logits(rows)
+        with scope("lm_head"):
+            h = self.model.norm(h)
+            logits = None
+            if compute_logits:
+                rows = h if logits_rows is None else h.gather(1, logits_rows[..., None].expand(-1, -1, h.shape[-1]))
+                logits = self.compute_logits(rows)
         return TargetOutput(logits=logits, taps=torch.cat(taps, -1) if taps else None, hidden=h)

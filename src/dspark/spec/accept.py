@@ -6,8 +6,8 @@ import torch
 
 from dspark.spec.propose import Proposal, SamplingTensors
 from dspark.spec.rng import Stream, uniforms
-from dspark.spec.sampling import process_logits, sample_inverse_cdf
-from dspark.spec.verify import VerifyResult, verify_block, verify_standard
+from dspark.spec.sampling import all_greedy, greedy, process_logits, sample_inverse_cdf
+from dspark.spec.verify import VerifyResult, verify_block, verify_greedy, verify_standard
 
 
 def accept(
@@ -24,6 +24,8 @@ def accept(
     """
     B, K1, _ = target_logits.shape
     K = K1 - 1
+    if all_greedy(sampling.temperature):  # every rule reduces to exact argmax matching: skip distributions and uniforms
+        return verify_greedy(proposal.tokens[:, :K], lengths, target_logits)
     p = process_logits(target_logits, sampling.temperature, sampling.top_k, sampling.top_p)
     u_accept = uniforms(sampling.seeds, sampling.counters[:, : K + 1], Stream.ACCEPT)
     u_residual = uniforms(sampling.seeds, sampling.counters[:, :1], Stream.RESIDUAL)[:, 0]
@@ -34,6 +36,8 @@ def accept(
 
 def sample_next(logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
     """Plain (non-speculative) sampling: logits [B, V] → tokens [B] on the residual stream."""
+    if all_greedy(sampling.temperature):
+        return greedy(logits)
     p = process_logits(logits[:, None], sampling.temperature, sampling.top_k, sampling.top_p)[:, 0]
     u = uniforms(sampling.seeds, sampling.counters[:, :1], Stream.RESIDUAL)[:, 0]
     return sample_inverse_cdf(p, u)

@@ -10,8 +10,9 @@ import torch
 
 from dspark.cache.pool import BatchStore
 from dspark.models.drafter import DSparkDrafter
+from dspark.profiling import scope
 from dspark.spec.rng import Stream, uniforms
-from dspark.spec.sampling import process_logits, sample_inverse_cdf
+from dspark.spec.sampling import all_greedy, process_logits, sample_inverse_cdf
 
 
 @dataclass(frozen=True)
@@ -77,28 +78,34 @@ def draft_block(
     positions = anchor_positions[:, None] + torch.arange(Kb)
     rows = anchor_positions if context_rows is None else context_rows
     mask = block_keys_mask(rows, context.read_slots.shape[1], Kb)
-    out = drafter(block, positions, mask, store=BlockKeys(context), compute_logits=False)
-    hidden = out.hidden[:, :K]  # [B, K, D]
-    base = drafter.lm_head(hidden).float()  # [B, K, V]
-    u = uniforms(sampling.seeds, sampling.counters[:, :K], Stream.DRAFT).float().clamp(1e-7, 1 - 1e-7)
+    with scope("draft.backbone"):
+        out = drafter(block, positions, mask, store=BlockKeys(context), compute_logits=False)
+        hidden = out.hidden[:, :K]  # [B, K, D]
+        base = drafter.lm_head(hidden).float()  # [B, K, V]
+    u = None
+    probabilistic = probabilistic and not all_greedy(sampling.temperature)  # all greedy: q is one-hot at d (None)
+    if probabilistic:  # greedy drafting draws no uniforms
+        u = uniforms(sampling.seeds, sampling.counters[:, :K], Stream.DRAFT).float().clamp(1e-7, 1 - 1e-7)
     qs: list[torch.Tensor] = []
 
     def pick(corrected: torch.Tensor, k: int) -> torch.Tensor:
-        if not probabilistic:
+        if u is None:
             return corrected.argmax(-1)
         q = process_logits(corrected[:, None], sampling.temperature, sampling.top_k, sampling.top_p)[:, 0]
         qs.append(q)
         return sample_inverse_cdf(q, u[:, k])
 
     head = drafter.markov_head if use_markov else None
-    if head is not None:
-        tokens = head.sample(base, hidden, anchors, pick, topk).tokens
-    else:  # DFlash: base logits only
-        tokens = torch.stack([pick(base[:, k], k) for k in range(K)], 1)
-    prev_embeds = None
-    if drafter.markov_head is not None:
-        prev_embeds = drafter.markov_head.markov_w1(torch.cat((anchors[:, None], tokens[:, :-1]), 1))
-    confidence = drafter.confidence(hidden, prev_embeds)
+    with scope("draft.markov"):
+        if head is not None:
+            tokens = head.sample(base, hidden, anchors, pick, topk).tokens
+        else:  # DFlash: base logits only
+            tokens = torch.stack([pick(base[:, k], k) for k in range(K)], 1)
+    with scope("draft.confidence"):
+        prev_embeds = None
+        if drafter.markov_head is not None:
+            prev_embeds = drafter.markov_head.markov_w1(torch.cat((anchors[:, None], tokens[:, :-1]), 1))
+        confidence = drafter.confidence(hidden, prev_embeds)
     q = torch.stack(qs, 1) if probabilistic else None
     return Proposal(tokens, torch.full((B,), K, dtype=torch.long), q, confidence)
 

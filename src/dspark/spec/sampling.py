@@ -16,6 +16,13 @@ import torch
 GREEDY_EPS = 1e-5  # temperatures at or below this are greedy (vLLM's _SAMPLING_EPS)
 
 
+def all_greedy(temperature: torch.Tensor) -> bool:
+    """Every row at temperature <= GREEDY_EPS (temperature [B]): every distribution is one-hot at the argmax
+    (first index on ties), so sampling, draft q and every acceptance rule reduce to argmax matching and no uniform
+    needs drawing (counters are keyed by position, so skipping them changes no later draw)."""
+    return bool((temperature <= GREEDY_EPS).all())
+
+
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """logits [..., V] -> LongTensor [...] argmax (the first index on ties)."""
     return logits.argmax(dim=-1)

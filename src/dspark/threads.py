@@ -1,0 +1,160 @@
+"""CPU thread defaults chosen by measurement, cached per machine and model shape.
+
+Decode on CPU is a chain of small ops; whether a second intra-op thread helps depends on the machine (cores,
+how busy they are) and on the model's matrix sizes: on a 2-core shared machine one thread beats two by 25-40 %
+for the bundled pair, while a 7B model wants every core. So the default is measured, not a constant:
+
+1. ``DSPARK_NUM_THREADS`` (an integer) wins when set;
+2. else a cached choice for (CPU model, usable cores, torch version, model shape and dtype) from
+   ``$XDG_CACHE_HOME/dspark/threads.json`` (``~/.cache`` by default);
+3. else a calibration (a few seconds): a few real engine decode steps on the loaded model (see
+   ``dspark.llm.build_engines``), timed round-robin at each candidate count (1, 2, 4, ... up to the usable
+   cores), 7 times each. The best time of each count is compared (the machine's capability; medians on a busy
+   machine measure the neighbours), and a larger count must win by MARGIN: under contention every extra
+   OpenMP thread is a barrier partner that may be descheduled (measured here under load: 1 thread 58-1275 ms,
+   2 threads 918-15703 ms for the same steps). The choice is cached.
+
+A ``--num-threads`` flag (``set_threads``) overrides all of this.
+
+Inter-op threads stay at torch's default (eager inference runs no inter-op work). The OpenMP wait policy is
+PASSIVE (set by ``import dspark`` before torch loads): spinning waiters stall each other on a shared machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ENV = "DSPARK_NUM_THREADS"
+MARGIN = 0.10  # a larger thread count must be at least 10 % faster than the best smaller one
+_source = "torch default"
+_explicit = False  # set_threads was called (a CLI flag): calibration leaves the choice alone
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown-cpu"
+
+
+def candidates(cores: int) -> list[int]:
+    """1, 2, 4, ... below the usable cores, and the cores themselves."""
+    out, n = [], 1
+    while n < cores:
+        out.append(n)
+        n *= 2
+    return [*out, cores]
+
+
+def calibrate(workload: Callable[[], object], counts: list[int], repeats: int = 7) -> dict[int, float]:
+    """Best seconds of `workload` per thread count over `repeats` round-robin timings (bursts hit every count
+    alike; the minimum is what the machine can do, the rest is other processes)."""
+    before = torch.get_num_threads()
+    times: dict[int, list[float]] = {n: [] for n in counts}
+    try:
+        for n in counts:  # warm-up: first-call costs off the clock
+            torch.set_num_threads(n)
+            workload()
+        for _ in range(repeats):
+            for n in counts:
+                torch.set_num_threads(n)
+                t0 = time.perf_counter()
+                workload()
+                times[n].append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    return {n: min(ts) for n, ts in times.items()}
+
+
+def pick(best: dict[int, float], margin: float = MARGIN) -> int:
+    """The smallest count unless a larger one is faster than every smaller one by `margin`."""
+    chosen = min(best)
+    for n in sorted(best):
+        if best[n] < best[chosen] * (1.0 - margin):
+            chosen = n
+    return chosen
+
+
+def _cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "dspark" / "threads.json"
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def choose_threads(model_key: str, workload: Callable[[], object]) -> int:
+    """Set and return torch's intra-op thread count for this machine and model (see the module docstring)."""
+    global _source
+    env = os.environ.get(ENV)
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            raise ValueError(f"{ENV}={env!r}: expected a positive integer thread count, or unset it") from None
+        if n < 1:
+            raise ValueError(f"{ENV}={env!r}: expected a positive integer thread count, or unset it")
+        torch.set_num_threads(n)
+        _source = f"${ENV}"
+        return n
+    cores = usable_cores()
+    key = f"{_cpu_model()}|{cores} cores|torch {torch.__version__}|{model_key}"
+    path = _cache_path()
+    cache = _read_cache(path)
+    if key in cache:
+        n = int(cache[key]["threads"])
+        _source = f"calibrated earlier ({path})"
+    else:
+        best = calibrate(workload, candidates(cores))
+        n = pick(best)
+        cache[key] = {"threads": n, "best_ms": {str(c): round(s * 1e3, 3) for c, s in best.items()}}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(cache, indent=1) + "\n")
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a read-only home: calibrate again next time
+        _source = "calibrated now (best of 7: " + ", ".join(f"{c}: {s * 1e3:.1f} ms" for c, s in best.items()) + ")"
+    torch.set_num_threads(n)
+    return n
+
+
+def describe_threads() -> str:
+    """One line for bench/profile headers."""
+    return (
+        f"threads: intra-op {torch.get_num_threads()} ({_source}), inter-op {torch.get_num_interop_threads()}, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, usable cores {usable_cores()}"
+    )
+
+
+def set_threads(n: int, source: str) -> None:
+    """An explicit choice (a CLI flag): set it and say where it came from in `describe_threads`."""
+    global _source, _explicit
+    torch.set_num_threads(n)
+    _source, _explicit = source, True
+
+
+def is_explicit() -> bool:
+    return _explicit
