@@ -156,3 +156,20 @@ def test_a_packaged_alias_target_pairs_with_its_shipped_drafters(tmp_path: Path,
     assert llm.resolve_draft(SpeculativeConfig(method="dflash"), target) == pair[1]
     assert llm.resolve_draft(SpeculativeConfig(method="dspark"), target) == pair[0]
     assert llm.shipped_drafts(llm.BUNDLED_TARGET) == (llm.BUNDLED_DRAFT, llm.BUNDLED_DFLASH)
+
+
+def test_generate_defaults_to_dspark_for_a_target_with_shipped_drafters(tmp_path: Path, monkeypatch) -> None:
+    import argparse
+
+    import dspark.llm as llm
+    from dspark.cli_common import default_spec
+
+    monkeypatch.setattr(llm, "shipped_drafts", lambda d: (d, d) if Path(d).name == "shipped" else None)
+    (tmp_path / "shipped").mkdir()
+    (tmp_path / "plain").mkdir()
+    args = argparse.Namespace(no_spec=False, speculative_config=None, model=str(tmp_path / "shipped"))
+    assert json.loads(default_spec(args, None))["method"] == "dspark"
+    assert (
+        default_spec(argparse.Namespace(no_spec=False, speculative_config=None, model=str(tmp_path / "plain")), None)
+        is None
+    )

@@ -46,14 +46,26 @@ def model_or_demo(model: str | None) -> tuple[str | None, bool]:
 
 
 def default_spec(args: argparse.Namespace, demo_dir: str | None) -> str | None:
-    """--speculative-config as given; else DSpark with the bundled (or demo) drafter; None for --no-spec or a
-    user model without a config."""
+    """--speculative-config as given; else DSpark with the bundled, shipped (or demo) drafter; None for --no-spec
+    or a user model without a config."""
     if getattr(args, "no_spec", False):
         return None
     if args.speculative_config:
         return args.speculative_config
     if demo_dir is not None:
         return json.dumps({"method": "dspark", "model": str(Path(demo_dir).parent / "draft")})
-    if args.model is None:
+    if args.model is None or _has_shipped_drafter(args.model):
         return json.dumps({"method": "dspark"})
     return None
+
+
+def _has_shipped_drafter(model: str) -> bool:
+    """A target with drafters shipped in the package (e.g. the ``smollm2-135m-instruct`` alias)."""
+    from dspark.checkpoint.resolve import resolve_model_ref
+    from dspark.config import ConfigError
+    from dspark.llm import shipped_drafts
+
+    try:
+        return shipped_drafts(resolve_model_ref(model, role="model")) is not None
+    except ConfigError:
+        return False  # the command's own loading reports a bad reference
