@@ -69,7 +69,9 @@ def test_clean_pair_loads_and_generates(pair):
     assert len(out[0].token_ids) == 4
 
 
-@pytest.mark.parametrize(("key", "value"), [("factor", 8.0), ("rope_theta", 50000.0)])
+@pytest.mark.parametrize(
+    ("key", "value"), [("factor", 8.0), ("original_max_position_embeddings", 4096), ("rope_theta", 50000.0)]
+)
 def test_draft_rope_differing_from_the_target_is_refused(pair, key, value):
     target, draft = pair
     rope = json.loads((draft / "config.json").read_text())["rope_parameters"]

@@ -233,18 +233,40 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if speedup is not None:
         line += f"  speed-up vs no speculation: {speedup:.2f}x"
     print(line, file=sys.stderr)
-    c = engines[0].cache_report()
+    print("\n".join(cache_report_lines(engines[0].cache_report(REPORT_TOKENS))), file=sys.stderr)
+    return 0
+
+
+REPORT_TOKENS = 16384  # the request size whose cache bytes `generate` reports
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def cache_report_lines(c: dict) -> list[str]:
+    """Page formats, bytes per token, and (when the report has them) the bytes of one long request: target
+    latents, drafter latents on the same pages, and a separate conventional draft cache for comparison."""
     pages = f"{c['target_page_kind']} {c['target_width']}-wide"
     if c["shared_pool"]:
         pages += " (target and draft layers share them)"
     elif c["draft_page_kind"]:
         pages += f" + draft {c['draft_page_kind']} {c['draft_width']}-wide"
-    print(
+    lines = [
         f"KV cache: {pages} pages of {c['page_size']} tokens; "
-        f"bytes/token: target {c['target_bytes_per_token']}, draft {c['draft_bytes_per_token']}",
-        file=sys.stderr,
-    )
-    return 0
+        f"bytes/token: target {c['target_bytes_per_token']}, draft {c['draft_bytes_per_token']}"
+    ]
+    if "request_tokens" in c and c["draft_page_kind"]:
+        t, d, sep = c["request_target_bytes"], c["request_draft_bytes"], c["request_separate_draft_bytes"]
+        saved = 1 - (t + d) / (t + sep) if t + sep else 0.0
+        lines.append(
+            f"a {c['request_tokens']}-token request: target latents {_mib(t)}, drafter latents {_mib(d)} "
+            f"(same pages); a separate per-head draft cache would take {_mib(sep)}: "
+            f"{_mib(t + d)} vs {_mib(t + sep)} in all ({saved:.0%} less)"
+        )
+    elif "request_tokens" in c:
+        lines.append(f"a {c['request_tokens']}-token request: target latents {_mib(c['request_target_bytes'])}")
+    return lines
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
@@ -274,19 +296,62 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_verify_lossless(args: argparse.Namespace) -> int:
-    from dspark.data import load_prompts
-    from dspark.llm import LLM, build_engines
+    from dspark.llm import build_engines
 
+    depths = parse_depths(args.context_depths)
     model, demo = model_or_demo(args.model)
     spec = default_spec(args, model if demo else None) or json.dumps({"method": "dspark"})
     spec_engine, ar_engine = build_engines(
         model, [spec, None], dtype=args.dtype, attention_backend=args.attention_backend
     )
-    prompts = load_prompts(args.dataset, args.num_prompts, getattr(spec_engine.tokenizer, "apply_chat_template", None))
+    sets = _lossless_prompt_sets(args, spec_engine, depths)
+    if not sets:
+        raise ValueError("every --context-depths value was skipped; nothing was verified")
+    bad = sum(_compare_outputs(label, ids, ar_engine, spec_engine, args.max_tokens) for label, ids in sets)
+    return 1 if bad else 0
+
+
+def parse_depths(text: str | None) -> list[int]:
+    """'1024,4096' → [1024, 4096]; '' or None → []."""
+    if not text:
+        return []
+    try:
+        depths = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise ValueError(f"--context-depths {text!r}: give comma-separated token counts, e.g. 1024,4096") from e
+    if any(d < 2 for d in depths):
+        raise ValueError(f"--context-depths {text!r}: every depth must be at least 2 tokens")
+    return depths
+
+
+def _lossless_prompt_sets(args: argparse.Namespace, engine, depths: list[int]) -> list[tuple[str, list[list[int]]]]:
+    """(label, prompt ids) per set: the dataset's prompts as they are, or padded with real preceding code to each
+    depth (as `dspark bench --context-depths` does); depths the target cannot hold are skipped, saying why."""
+    from dspark.bench.datasets import depth_prompts, read_bench_prompts, read_sources
+
+    tok = engine.tokenizer
+    prompts = read_bench_prompts(args.dataset, args.num_prompts, getattr(tok, "apply_chat_template", None))
+    if not depths:
+        return [("prompts", [list(tok.encode(p.text, add_special_tokens=not p.is_chat)) for p in prompts])]
+    sources = read_sources(args.context_source) if args.context_source else read_sources()
+    sets = []
+    for depth in depths:
+        if depth + args.max_tokens > engine.max_model_len:
+            print(
+                f"context depth {depth}: skipped: {depth} prompt tokens + --max-tokens {args.max_tokens} exceed "
+                f"the target's max_model_len {engine.max_model_len}"
+            )
+            continue
+        sets.append((f"depth {depth}", [list(ids) for ids in depth_prompts(prompts, depth, tok, sources)]))
+    return sets
+
+
+def _compare_outputs(label: str, ids: list[list[int]], ar_engine, spec_engine, max_tokens: int) -> int:
+    """Greedy target-only vs speculative output on these prompts, token by token; print and count mismatches."""
+    from dspark.llm import LLM
     from dspark.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    ids = [p.token_ids(spec_engine.tokenizer) for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     ref = LLM.from_engine(ar_engine).generate(ids, params)
     got = LLM.from_engine(spec_engine).generate(ids, params)
     bad = 0
@@ -298,18 +363,26 @@ def cmd_verify_lossless(args: argparse.Namespace) -> int:
                 min(len(a.token_ids), len(b.token_ids)),
             )
             a_ids, b_ids = a.token_ids[j : j + 5], b.token_ids[j : j + 5]
-            print(f"prompt {i}: MISMATCH at output token {j}: target-only {a_ids} vs speculative {b_ids}")
+            print(f"{label} prompt {i}: MISMATCH at output token {j}: target-only {a_ids} vs speculative {b_ids}")
         else:
-            print(f"prompt {i}: identical ({len(a.token_ids)} tokens)")
-    tau = spec_engine.metrics.spec.acceptance_length
-    print(f"{len(prompts) - bad}/{len(prompts)} prompts identical token by token; τ = {tau or 0:.2f}")
-    return 1 if bad else 0
+            print(f"{label} prompt {i}: identical ({len(ids[i])} prompt tokens, {len(a.token_ids)} output tokens)")
+    drafts = sum(o.spec_metrics.get("num_drafts", 0) for o in got)
+    accepted = sum(o.spec_metrics.get("num_accepted_tokens", 0) for o in got)
+    tau = 1 + accepted / drafts if drafts else 0.0
+    print(f"{label}: {len(ids) - bad}/{len(ids)} prompts identical token by token; τ = {tau:.2f}")
+    return bad
 
 
 def add_verify_lossless(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify-lossless", help="speculative greedy == target-only greedy, token by token")
     p.add_argument("--dataset", required=True, help="JSONL prompts")
     p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument(
+        "--context-depths",
+        default=None,
+        help="pad prompts with real preceding code to N tokens and verify at each depth, e.g. 1024,4096,16384",
+    )
+    p.add_argument("--context-source", default=None, help="corpus-format JSONL of code used as padding")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--model", default=None)
     p.add_argument("--speculative-config", default=None)

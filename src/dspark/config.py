@@ -1092,6 +1092,7 @@ class SpeculativeConfig:
     calibration_path: str | None = None
     cost_table_path: str | None = None
     min_verify_len: int = 0
+    draft_window: int | None = None  # drafter attends to the last W context tokens (the target to all); None: all
 
     def __post_init__(self) -> None:
         src = "speculative config"
@@ -1112,6 +1113,12 @@ class SpeculativeConfig:
             raise _fail(src, "prompt_lookup_min", self.prompt_lookup_min, "need 1 <= min <= prompt_lookup_max")
         if not 0 <= self.min_verify_len <= self.num_speculative_tokens:
             raise _fail(src, "min_verify_len", self.min_verify_len, "must be in [0, num_speculative_tokens]")
+        if self.draft_window is not None and (
+            not isinstance(self.draft_window, int) or isinstance(self.draft_window, bool) or self.draft_window < 1
+        ):
+            raise _fail(src, "draft_window", self.draft_window, "must be null or a positive integer (context tokens)")
+        if self.draft_window is not None and self.method == "ngram":
+            raise _fail(src, "draft_window", self.draft_window, "bounds a drafter's attention; n-gram has none")
         if self.enable_adaptive_verification and self.method == "ngram":
             raise _fail(src, "enable_adaptive_verification", True, "needs a drafter with a confidence head")
         _warn_substitute(self.attention_backend, src)

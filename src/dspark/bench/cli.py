@@ -52,6 +52,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         context_depths=args.context_depths,
         context_prompts=args.context_prompts,
         context_source=args.context_source,
+        draft_window=args.draft_window,
         dtype=args.dtype,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
@@ -118,6 +119,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--context-prompts", type=int, default=4, help="prompts per context depth")
     p.add_argument("--context-source", default=None, help="corpus-format JSONL of code used as padding")
+    p.add_argument(
+        "--draft-window",
+        type=int,
+        default=None,
+        help="also run 'dspark-window': dspark with draft_window W (the drafter reads the last W context tokens)",
+    )
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

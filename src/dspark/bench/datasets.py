@@ -19,6 +19,7 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from dspark.data import DatasetError, load_prompts
 
@@ -190,6 +191,28 @@ def pad_prompts(
     prompts: Sequence[BenchPrompt], depth: int, count_tokens: Callable[[str], int], sources: dict[str, str]
 ) -> list[str]:
     return [pad_to_depth(p, depth, count_tokens, sources, rotate=i) for i, p in enumerate(prompts)]
+
+
+class Encoder(Protocol):
+    bos_token_id: int | None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+
+def encode_prompt(tok: Encoder, text: str, is_chat: bool, limit: int) -> tuple[int, ...]:
+    """Token ids as AutoTokenizer builds them (chat text holds its template's special tokens), keeping a leading
+    BOS and the last tokens if longer than ``limit``."""
+    ids = tok.encode(text, add_special_tokens=not is_chat)
+    head = ids[:1] if ids[:1] == [tok.bos_token_id] else []
+    return tuple(head + ids[len(head) - limit :]) if len(ids) > limit else tuple(ids)
+
+
+def depth_prompts(
+    prompts: Sequence[BenchPrompt], depth: int, tok: Encoder, sources: dict[str, str]
+) -> tuple[tuple[int, ...], ...]:
+    """Each prompt preceded by real code up to ``depth`` tokens (its BOS included), as token ids."""
+    texts = pad_prompts(prompts, depth - 1, lambda s: len(tok.encode(s)), sources)  # -1: room for BOS
+    return tuple(encode_prompt(tok, t, p.is_chat, depth) for t, p in zip(texts, prompts))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -29,7 +29,7 @@ from dspark.engine.metrics import DecodeTimes, tau_bound
 from dspark.sampling_params import SamplingParams
 
 AR = "ar"
-ENGINE_METHODS = ("ar", "dspark", "dflash", "ngram", "dspark-adaptive")
+ENGINE_METHODS = ("ar", "dspark", "dflash", "ngram", "dspark-adaptive", "dspark-window")
 HF_METHODS = ("hf-generate", "hf-prompt-lookup")
 VLLM_METHODS = ("vllm", "vllm-ngram")
 ALL_METHODS = ENGINE_METHODS + HF_METHODS + VLLM_METHODS
@@ -38,6 +38,7 @@ ALWAYS_MEASURED = (AR, "dspark")  # --baselines lists the methods to compare aga
 DISPLAY_ORDER = (
     "ar",
     "dspark",
+    "dspark-window",
     "dspark-adaptive",
     "dflash",
     "ngram",
@@ -197,6 +198,7 @@ class BenchConfig:
     context_depths: tuple[int, ...] = ()
     context_prompts: int = 4
     context_source: str | None = None  # corpus-format JSONL (default: the committed held-out sources)
+    draft_window: int | None = None  # adds 'dspark-window': dspark with the drafter reading the last W context tokens
     dtype: str = "bfloat16"
     seed: int = 0
     ignore_eos: bool = False
@@ -214,6 +216,10 @@ class BenchConfig:
             raise ConfigError(f"bench: --context-depths must be positive token counts, got {list(self.context_depths)}")
         if self.max_tokens < 1:
             raise ConfigError(f"bench: --max-tokens must be >= 1, got {self.max_tokens}")
+        if self.draft_window is not None and self.draft_window < 1:
+            raise ConfigError(f"bench: --draft-window must be a positive token count, got {self.draft_window}")
+        if "dspark-window" in (self.baselines or ()) and self.draft_window is None:
+            raise ConfigError("bench: method 'dspark-window' needs --draft-window W")
         unknown = sorted(set(self.baselines or ()) - set(ALL_METHODS))
         if unknown:
             raise ConfigError(f"bench: unknown method(s) {unknown}; choose from {list(ALL_METHODS)}")
@@ -276,7 +282,7 @@ def method_names(cfg: BenchConfig, res: Resolved, notes: list[str]) -> list[str]
     our ngram, so that the two n-gram proposers sit side by side."""
     names = [AR]
     if res.draft_dir is not None:
-        names.append("dspark")
+        names += ["dspark"] + (["dspark-window"] if cfg.draft_window is not None else [])
     else:
         notes.append("dspark: skipped (no drafter for this target; pass --draft DIR)")
     listed = list(cfg.baselines) if cfg.baselines is not None else _applicable(cfg, res, notes)
@@ -308,7 +314,7 @@ def _calibration_file(res: Resolved) -> Path | None:
     return None
 
 
-def _spec_for(name: str, res: Resolved, k: int) -> dict[str, Any] | None:
+def _spec_for(name: str, res: Resolved, k: int, window: int | None = None) -> dict[str, Any] | None:
     if name == AR:
         return None
     if name == "ngram":
@@ -320,6 +326,8 @@ def _spec_for(name: str, res: Resolved, k: int) -> dict[str, Any] | None:
     spec = {"method": "dspark", "model": str(res.draft_dir), "num_speculative_tokens": k}
     if name == "dspark-adaptive":
         spec["enable_adaptive_verification"] = True
+    if name == "dspark-window":
+        spec["draft_window"] = window
     return spec
 
 
@@ -334,7 +342,7 @@ def _pages_needed(lengths: Sequence[int], concurrency: int, extra: int, page: in
 
 def run_bench(cfg: BenchConfig) -> BenchReport:
     """Build every method on one loaded target, then run all cells interleaved; see the module docstring."""
-    from dspark.bench.datasets import pad_prompts, read_bench_prompts, read_sources
+    from dspark.bench.datasets import depth_prompts, encode_prompt, read_bench_prompts, read_sources
     from dspark.models.loading import read_target_config
     from dspark.tokenizer import load_tokenizer
 
@@ -350,11 +358,7 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
         raise ConfigError(f"bench: --max-tokens {cfg.max_tokens} leaves no room for a prompt in {max_len} positions")
 
     def encode(text: str, chat: bool, limit: int = budget) -> tuple[int, ...]:
-        """Token ids as AutoTokenizer builds them (chat text holds its template's special tokens), keeping a
-        leading BOS and the last tokens if longer than limit."""
-        ids = tok.encode(text, add_special_tokens=not chat)
-        head = ids[:1] if ids[:1] == [tok.bos_token_id] else []
-        return tuple(head + ids[len(head) - limit :]) if len(ids) > limit else tuple(ids)
+        return encode_prompt(tok, text, chat, limit)
 
     cells: list[Cell] = []
     prompts: list = []
@@ -377,8 +381,7 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
             if depth > budget:
                 notes.append(f"context depth {depth}: skipped (with --max-tokens it exceeds {max_len} positions)")
                 continue
-            texts = pad_prompts(few, depth - 1, lambda s: len(tok.encode(s)), sources)  # -1: room for BOS
-            padded = tuple(encode(t, p.is_chat, depth) for t, p in zip(texts, few))
+            padded = depth_prompts(few, depth, tok, sources)
             for t in cfg.temperatures:
                 depth_cells.append(Cell(f"{dataset}@ctx{depth}", t, min(cfg.concurrency), padded, True))
 
@@ -408,6 +411,7 @@ def _report_config(cfg: BenchConfig, res: Resolved, k: int, num_prompts: int, la
         "num_speculative_tokens": k,
         "context_depths": list(cfg.context_depths),
         "context_prompts": cfg.context_prompts,
+        "draft_window": cfg.draft_window,
         "dtype": cfg.dtype,
         "seed": cfg.seed,
         "ignore_eos": cfg.ignore_eos,
@@ -431,7 +435,7 @@ def _measure_ours(
     num_pages = max([_pages_needed([len(p) for p in c.prompts], c.concurrency, extra, page) for c in cells])
     engines = build_engines(
         res.target_dir,
-        [_spec_for(n, res, k) for n in engine_names],
+        [_spec_for(n, res, k, cfg.draft_window) for n in engine_names],
         dtype=cfg.dtype,
         max_num_seqs=max(cfg.concurrency),
         num_pages=num_pages + max(cfg.concurrency),

@@ -119,3 +119,19 @@ class CachePools:
             "draft_bytes_per_token": draft_bpt,
             "pool_bytes": sum(p.pool.numel() * p.pool.element_size() for p in pools),
         }
+
+    def request_bytes(self, num_tokens: int, separate_draft_width: int) -> dict[str, int]:
+        """Bytes one request of ``num_tokens`` tokens holds (whole pages): the target's latents, the drafter's latents
+        (the same pages as the target's), and what the drafter would hold in a separate conventional cache of
+        ``separate_draft_width`` values per token per layer (per-head K and V, no latent sharing)."""
+        page = self.target.page_size
+        slots = -(-num_tokens // page) * page  # the pages a request of num_tokens tokens owns, in token slots
+        n_draft = self.draft_format.num_layers if self.draft_format else 0
+        elem = self.draft.pool.element_size() if self.draft is not None else 0
+        return {
+            "request_tokens": num_tokens,
+            "request_pages": slots // page,
+            "request_target_bytes": slots * self.target.bytes_per_token(self.target_format.num_layers),
+            "request_draft_bytes": slots * (self.draft.bytes_per_token(n_draft) if self.draft is not None else 0),
+            "request_separate_draft_bytes": slots * n_draft * separate_draft_width * elem,
+        }

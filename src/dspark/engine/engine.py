@@ -121,7 +121,8 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, self.K + 1)
         spec = target.state_spec  # per-request recurrent state (KDA): one slot per running request
         self.states = StatePool(spec, self.cfg.max_num_seqs) if spec is not None else None
-        self.runner = ModelRunner(target, self.drafter, self.blocks, self.pools, self.states)
+        window = self.spec.draft_window if self.spec is not None else None
+        self.runner = ModelRunner(target, self.drafter, self.blocks, self.pools, self.states, window)
         self.metrics = EngineMetrics(log_interval_s=self.cfg.log_stats_interval_s)
         self.adaptive = adaptive
         self.requests: dict[str, Request] = {}
@@ -129,10 +130,15 @@ class Engine:
         self._updated: list[Request] = []
 
     # ---- request API ---------------------------------------------------------------------------------
-    def cache_report(self) -> dict[str, int | str | bool]:
+    def cache_report(self, num_tokens: int | None = None) -> dict[str, int | str | bool]:
         """Page formats and bytes per token of the target's and drafter's pages (one shared pool when equal), and
-        the per-request state bytes of a stateful target (KDA layers)."""
-        return self.pools.report() | (self.states.report() if self.states is not None else {})
+        the per-request state bytes of a stateful target (KDA layers). With ``num_tokens``: the bytes one request
+        of that many tokens holds (target latents, drafter latents, a separate conventional draft cache)."""
+        rep = self.pools.report() | (self.states.report() if self.states is not None else {})
+        if num_tokens is not None:
+            width = self.drafter.separate_cache_width if self.drafter is not None else 0
+            rep |= self.pools.request_bytes(num_tokens, width)
+        return rep
 
     @property
     def num_pages_free(self) -> int:

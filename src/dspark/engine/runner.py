@@ -40,6 +40,7 @@ class ModelRunner:
         blocks: BlockManager,
         pools: CachePools,
         states: StatePool | None = None,
+        draft_window: int | None = None,
     ) -> None:
         self.target = target
         self.drafter = drafter
@@ -48,6 +49,7 @@ class ModelRunner:
         self.draft_pool = pools.draft
         self.draft_layer_offset = pools.draft_layer_offset
         self.taps = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
+        self.draft_window = draft_window  # the drafter reads the last W context rows (None: all)
         stream = drafter.config.aux_hidden_stream if drafter is not None else None
         if stream is not None and stream not in target.tap_streams:
             raise ConfigError(
@@ -148,15 +150,22 @@ class ModelRunner:
         use_markov: bool,
         topk: int | None,
     ) -> Proposal:
+        """One drafter block per request; with a draft window the drafter reads only its last ``draft_window``
+        context rows (the target still attends to all of them)."""
         assert self.drafter is not None
         with scope("step.metadata"):
             starts = [r.num_computed for r in reqs]
             anchors = torch.tensor([r.all_ids[s] for r, s in zip(reqs, starts)], dtype=torch.long)
-            read = self.context_slots(reqs, starts)
+            positions = torch.tensor(starts, dtype=torch.long)
+            if self.draft_window is None:
+                read, rows = self.context_slots(reqs, starts), positions
+            else:
+                read, rows = self.window_slots(reqs, positions, self.draft_window)
             assert self.draft_pool is not None
             context = self.draft_pool.view(read[:, :0], read, self.draft_layer_offset)  # read only: no new rows
-            positions = torch.tensor(starts, dtype=torch.long)
-        return draft_block(self.drafter, anchors, positions, context, sampling, probabilistic, use_markov, topk)
+        return draft_block(
+            self.drafter, anchors, positions, context, sampling, probabilistic, use_markov, topk, context_rows=rows
+        )
 
     def context_slots(self, reqs: Sequence[Request], ends: Sequence[int]) -> torch.Tensor:
         """[B, max(ends)] flat slots of positions 0..end-1 per request (scratch slot after its end)."""
@@ -165,6 +174,19 @@ class ModelRunner:
         keys = torch.arange(S)
         read = _slots(table, keys.expand(len(reqs), S).clamp(max=table.shape[1] * page - 1), page)
         return torch.where(keys < torch.tensor(ends, dtype=torch.long)[:, None], read, self.pool.scratch_slot)
+
+    def window_slots(
+        self, reqs: Sequence[Request], ends: torch.Tensor, window: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last ``window`` positions before each end: (slots [B, S] left-aligned, scratch after the valid rows;
+        valid rows [B] = min(end, window)), with S = max rows. A fixed number of tensor ops for any batch size."""
+        page = self.pool.page_size
+        rows = ends.clamp(max=window)  # [B]
+        keys = torch.arange(int(rows.max()) if len(reqs) else 0)
+        valid = keys[None, :] < rows[:, None]  # [B, S]
+        pos = torch.where(valid, (ends - rows)[:, None] + keys, 0)  # absolute positions end-rows..end-1
+        slots = _slots(self._page_table(reqs), pos, page)
+        return torch.where(valid, slots, self.pool.scratch_slot), rows
 
     @staticmethod
     def propose_ngram(reqs: Sequence[Request], k: int, min_n: int, max_n: int) -> Proposal:

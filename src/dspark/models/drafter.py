@@ -179,6 +179,16 @@ class DSparkDrafter(nn.Module):
         return cfg.mla.latent_dim
 
     @property
+    def separate_cache_width(self) -> int:
+        """Values per token per layer in a conventional draft cache that shares nothing with the target: MLA heads
+        expanded to per-head K (nope + rope) and V; the GQA backbone's [k | v] rows are that already."""
+        cfg = self.config
+        if cfg.is_gqa:
+            return self.latent_dim
+        mla = cfg.mla
+        return mla.num_heads * (mla.qk_head_dim + mla.v_head_dim)
+
+    @property
     def page_format(self) -> PageFormat:
         """MLA latent rows, or [k | v] rows for the GQA backbone (shares the pool with a GQA target of equal width)."""
         return PageFormat("gqa" if self.config.is_gqa else "mla", self.latent_dim, self.config.num_hidden_layers)

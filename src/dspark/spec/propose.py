@@ -45,10 +45,11 @@ class BlockKeys:
         return torch.cat((ctx, latent.to(ctx.dtype)), 1)
 
 
-def block_keys_mask(anchor_positions: torch.Tensor, num_context: int, block_size: int) -> torch.Tensor:
-    """Visibility over BlockKeys: every block row sees the context < its anchor and the whole block
-    (non-causal). anchor_positions [B] → bool [B, Kb, S + Kb]."""
-    ctx = torch.arange(num_context)[None, :] < anchor_positions[:, None]  # [B, S]
+def block_keys_mask(context_rows: torch.Tensor, num_context: int, block_size: int) -> torch.Tensor:
+    """Visibility over BlockKeys: every block row sees its request's first ``context_rows`` context keys (all of
+    the context < its anchor, or the last W of them under a draft window) and the whole block (non-causal).
+    context_rows [B] → bool [B, Kb, S + Kb]."""
+    ctx = torch.arange(num_context)[None, :] < context_rows[:, None]  # [B, S]
     keys = torch.cat((ctx, ctx.new_ones(ctx.shape[0], block_size)), 1)
     return keys[:, None, :].expand(-1, block_size, -1)
 
@@ -62,18 +63,21 @@ def draft_block(
     probabilistic: bool,
     use_markov: bool = True,
     topk: int | None = None,
+    context_rows: torch.Tensor | None = None,
 ) -> Proposal:
     """One drafter pass over the trained block [anchor, mask × (Kb−1)] (Kb = the draft config's block_size) for
     every request, then the Markov loop over its first K slots, batched across requests. The block is
     non-causal, so it always has its trained width: K < Kb proposes the first K drafts of the full block.
-    anchors/anchor_positions [B]; context reads each request's drafter context rows (positions < anchor)."""
+    anchors/anchor_positions [B]; context reads each request's drafter context rows (positions < anchor), the
+    first ``context_rows`` [B] of them valid (default: anchor_positions, the whole context)."""
     K = sampling.counters.shape[1] - 1
     B = anchors.shape[0]
     Kb = max(K, drafter.config.block_size or K)
     block = torch.full((B, Kb), drafter.config.mask_token_id, dtype=torch.long)
     block[:, 0] = anchors
     positions = anchor_positions[:, None] + torch.arange(Kb)
-    mask = block_keys_mask(anchor_positions, context.read_slots.shape[1], Kb)
+    rows = anchor_positions if context_rows is None else context_rows
+    mask = block_keys_mask(rows, context.read_slots.shape[1], Kb)
     with scope("draft.backbone"):
         out = drafter(block, positions, mask, store=BlockKeys(context), compute_logits=False)
         hidden = out.hidden[:, :K]  # [B, K, D]

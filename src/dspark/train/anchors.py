@@ -11,6 +11,8 @@ drafter forward: queries are the ``A*K`` block slots, keys are the ``S`` context
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -106,3 +108,31 @@ def block_visibility(seq_len: int, anchors: Tensor, keep: Tensor, K: int) -> Ten
     row_kept = kept.repeat_interleave(K, dim=1)  # [B, A*K]
     own = same.unsqueeze(0) & row_kept.unsqueeze(-1)  # [B, A*K, A*K]
     return torch.cat([ctx, own], dim=-1)
+
+
+def depth_labels(edges: Sequence[int]) -> list[str]:
+    """Names of the anchor-depth buckets split at ``edges`` (e.g. 256, 1024): '0-255', '256-1023', '1024+'."""
+    lows = [0, *edges]
+    return [f"{lo}-{hi - 1}" for lo, hi in zip(lows, edges)] + [f"{lows[-1]}+"]
+
+
+def tau_by_depth(accept: Tensor, eval_mask: Tensor, anchors: Tensor, edges: Sequence[int]) -> Tensor:
+    """Per depth bucket (the anchor's position: context tokens before the block) the sum of the blocks'
+    probabilistic τ = 1 + Σ_k Π_{i≤k} c_i and the number of supervised blocks.
+
+    accept [B, A, K] c* (0 where not supervised), eval_mask [B, A, K], anchors [B, A] → float64 [2, len(edges)+1]."""
+    blocks = eval_mask.bool()[..., 0]  # [B, A] blocks with at least their first slot supervised
+    tau = 1 + torch.cumprod(accept.double(), -1).sum(-1)  # [B, A]
+    bucket = torch.bucketize(anchors, torch.tensor(list(edges), dtype=anchors.dtype, device=anchors.device), right=True)
+    out = torch.zeros(2, len(edges) + 1, dtype=torch.float64, device=accept.device)
+    out[0].index_add_(0, bucket[blocks], tau[blocks])
+    out[1].index_add_(0, bucket[blocks], torch.ones_like(tau[blocks]))
+    return out
+
+
+def depth_summary(sums: Tensor, edges: Sequence[int]) -> dict[str, float | None]:
+    """{bucket label: mean τ (None: no supervised block at that depth)} from summed ``tau_by_depth`` tensors."""
+    return {
+        label: (round(float(t) / float(n), 4) if n > 0 else None)
+        for label, t, n in zip(depth_labels(edges), sums[0], sums[1])
+    }

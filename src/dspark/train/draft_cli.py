@@ -45,6 +45,10 @@ def add_draft_data(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-prompts", type=int, default=None, help="training prompts (1536)")
     p.add_argument("--num-val-prompts", type=int, default=None, help="held-out prompts (64)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="response length cap (160)")
+    p.add_argument(
+        "--max-context", type=int, default=None, help="also long prompts (concatenated files) up to N tokens"
+    )
+    p.add_argument("--long-fraction", type=float, default=None, help="share of long prompts with --max-context (0.25)")
     p.add_argument("--temperatures", type=float_list, default=None, help="round-robin per prompt, 0 = greedy (1,0.7,0)")
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None, help="engine batch (32)")
@@ -139,6 +143,7 @@ def cmd_prepare_features(args: argparse.Namespace) -> int:
             feature_dtype=args.feature_dtype,
             autocast=not args.no_autocast,
             progress=not args.quiet,
+            chunk=args.feature_chunk,
         )
         results[split] = asdict(r)
         if not args.quiet:
@@ -161,6 +166,7 @@ def add_prepare_features(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-taps", type=int, default=4)
     p.add_argument("--feature-dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--no-autocast", action="store_true", help="fp32 target forward (default: bf16 autocast)")
+    p.add_argument("--feature-chunk", type=int, default=None, help="run the target N tokens at a time (bounded memory)")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_prepare_features)
@@ -190,6 +196,8 @@ _TRAIN_FLAGS = {
     "--seed": ("seed", int, "seed (42)"),
     "--eval-interval": ("eval_interval", int, "steps between held-out evaluations (200)"),
     "--eval-max-samples": ("eval_max_samples", int, "cap on held-out samples"),
+    "--eval-depth-edges": ("eval_depth_edges", int_list, "held-out τ per anchor-depth bucket (256,1024,4096,16384)"),
+    "--feature-chunk": ("feature_chunk", int, "online features: run the target N tokens at a time (bounded memory)"),
     "--ckpt-interval": ("ckpt_interval", int, "steps between checkpoints (200)"),
     "--log-interval": ("log_interval", int, "steps between log lines (10)"),
     "--halt-at-step": ("halt_at_step", int, "stop after this step without exporting (as if interrupted)"),

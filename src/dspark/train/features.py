@@ -62,15 +62,49 @@ def target_features(
     feature_dtype: str = "bfloat16",
     autocast: bool = True,
     absorbed: bool = True,
+    chunk: int | None = None,
 ) -> Features:
     """Online features: input_ids [B, S] (right-padded; the causal target ignores the padding) → Features.
 
-    absorbed MLA is several times faster on CPU for training-length sequences (hundreds of tokens)."""
+    absorbed MLA is several times faster on CPU for training-length sequences (hundreds of tokens). ``chunk``:
+    run sequences longer than that many tokens chunk by chunk over a latent cache (bounded memory)."""
     _, tdtype = _dtypes(feature_dtype)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        out = target(input_ids, tap_layers=tuple(tap_layers), absorbed=absorbed, compute_logits=False)
-    assert out.taps is not None
-    return Features(taps=out.taps.to(tdtype), hidden=out.hidden.to(tdtype))
+        if chunk is not None and input_ids.shape[1] > chunk:
+            taps, hidden = _chunked_forward(target, input_ids, tuple(tap_layers), chunk, absorbed)
+        else:
+            out = target(input_ids, tap_layers=tuple(tap_layers), absorbed=absorbed, compute_logits=False)
+            assert out.taps is not None
+            taps, hidden = out.taps, out.hidden
+    return Features(taps=taps.to(tdtype), hidden=hidden.to(tdtype))
+
+
+def _chunked_forward(
+    target: nn.Module, input_ids: torch.Tensor, tap_layers: tuple[int, ...], chunk: int, absorbed: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target over ``chunk`` rows at a time, each chunk attending to the cached keys/latents of the rows
+    before it (one page per sequence): attention and MLP temporaries scale with chunk·S, not S², so long
+    training samples fit in bounded memory. → (taps [B, S, m·D], hidden [B, S, D]) as one pass gives them."""
+    from dspark.cache.pool import PagedPool
+
+    if getattr(target, "state_spec", None) is not None:
+        raise ValueError("chunked target features need a target without recurrent state; set feature_chunk to null")
+    B, S = input_ids.shape
+    fmt = target.page_format
+    dtype = fmt.dtype or next(target.parameters()).dtype
+    pool = PagedPool(fmt.num_layers, B, S, fmt.width, dtype)  # page b = sequence b; its slot b·S + p = position p
+    base = torch.arange(B, device=input_ids.device)[:, None] * S
+    taps, hidden = [], []
+    for s in range(0, S, chunk):
+        e = min(S, s + chunk)
+        pos = torch.arange(s, e, device=input_ids.device).expand(B, e - s)  # [B, T]
+        store = pool.view(base + pos, base + torch.arange(e, device=input_ids.device))  # reads positions 0..e-1
+        mask = torch.arange(e, device=input_ids.device)[None, None, :] <= pos[:, :, None]  # [B, T, e] causal
+        out = target(input_ids[:, s:e], pos, mask, store, tap_layers, absorbed=absorbed, compute_logits=False)
+        assert out.taps is not None
+        taps.append(out.taps)
+        hidden.append(out.hidden)
+    return torch.cat(taps, 1), torch.cat(hidden, 1)
 
 
 @torch.no_grad()
@@ -207,6 +241,7 @@ def prepare_features(
     batch_tokens: int = 4096,
     max_shard_bytes: int = 1 << 30,
     progress: bool = False,
+    chunk: int | None = None,
 ) -> PrepareResult:
     """Run the frozen target once over every sample and write the sharded cache (atomically: a temporary
     directory renamed into place, manifest last). Samples are batched by similar length."""
@@ -220,7 +255,7 @@ def prepare_features(
             for r, i in enumerate(batch):
                 x, _ = dataset[i]
                 ids[r, : x.size] = torch.from_numpy(x)
-            feats = target_features(target, ids, tap_layers, feature_dtype, autocast)
+            feats = target_features(target, ids, tap_layers, feature_dtype, autocast, chunk=chunk)
             for r, i in enumerate(batch):
                 L = int(lengths[i])
                 writer.write(i, feats.taps[r, :L], feats.hidden[r, :L])

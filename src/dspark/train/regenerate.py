@@ -38,6 +38,7 @@ VALIDATION_FILE = "validation.npz"
 MANIFEST_FILE = "manifest.json"
 _HEADER = re.compile(r"^[ \t]*(?:async[ \t]+)?(?:def|class)[ \t]+\w+.*:[ \t]*$", re.MULTILINE)
 _CONTEXT_CHARS = 2000  # characters of text before the cut that are tokenized (plenty for 128 tokens)
+_CHARS_PER_TOKEN = 8  # long contexts: characters tokenized per wanted token (code runs ~3-4 per token)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -144,6 +145,17 @@ def cut_points(text: str, max_first_lines: int = 12) -> list[int]:
     return sorted(set(cuts))
 
 
+def _preceding_text(texts: Sequence[str], d: int, c: int, chars: int) -> str:
+    """The last ``chars`` characters before offset c of document d, running back into documents d-1, d-2, ...
+    (joined by blank lines, as concatenated files)."""
+    parts, n, j = [texts[d][:c]], c, d - 1
+    while n < chars and j >= 0:
+        parts.append(texts[j] + "\n\n")
+        n += len(parts[-1])
+        j -= 1
+    return "".join(reversed(parts))[-chars:]
+
+
 def corpus_prompts(
     documents: Iterable[str],
     encode: Callable[[str], list[int]],
@@ -151,11 +163,21 @@ def corpus_prompts(
     min_tokens: int = 32,
     max_tokens: int = 128,
     seed: int = 0,
+    max_context: int | None = None,
+    long_fraction: float = 0.25,
 ) -> list[list[int]]:
     """Up to num_prompts distinct prompts: the last L ∈ [min_tokens, max_tokens] tokens of a document's text
-    up to a random cut point (see :func:`cut_points`), drawn uniformly over all cut points of all documents."""
+    up to a random cut point (see :func:`cut_points`), drawn uniformly over all cut points of all documents.
+
+    With ``max_context``, a ``long_fraction`` of the prompts are long contexts instead: L log-uniform in
+    [max_tokens, max_context], the text running back into the preceding documents (concatenated files)."""
     if not 0 < min_tokens <= max_tokens:
         raise ValueError(f"prompt lengths must satisfy 0 < min_tokens ({min_tokens}) <= max_tokens ({max_tokens})")
+    if max_context is not None and (max_context < max_tokens or not 0 <= long_fraction <= 1):
+        raise ValueError(
+            f"max_context ({max_context}) must be >= max_tokens ({max_tokens}) and long_fraction "
+            f"({long_fraction}) in [0, 1]"
+        )
     texts = list(documents)
     candidates = [(d, c) for d, text in enumerate(texts) for c in cut_points(text)]
     rng = np.random.default_rng(seed)
@@ -166,8 +188,12 @@ def corpus_prompts(
         if len(prompts) >= num_prompts:
             break
         d, c = candidates[int(k)]
-        ids = encode(texts[d][max(0, c - _CONTEXT_CHARS) : c])
-        length = int(rng.integers(min_tokens, max_tokens + 1))
+        if max_context is not None and rng.random() < long_fraction:
+            length = int(np.exp(rng.uniform(np.log(max_tokens), np.log(max_context))))
+            ids = encode(_preceding_text(texts, d, c, max(_CONTEXT_CHARS, _CHARS_PER_TOKEN * length)))
+        else:
+            ids = encode(texts[d][max(0, c - _CONTEXT_CHARS) : c])
+            length = int(rng.integers(min_tokens, max_tokens + 1))
         if len(ids) < min_tokens:
             continue
         ids = ids[-length:]
@@ -192,6 +218,8 @@ class RegenerateConfig:
     num_val_prompts: int = 64
     min_prompt_tokens: int = 32
     max_prompt_tokens: int = 128
+    max_context: int | None = None  # also long prompts (concatenated files) up to this many tokens
+    long_fraction: float = 0.25  # share of prompts that are long when max_context is set
     max_new_tokens: int = 160
     # sampling settings, assigned round-robin over prompts (0.0 = greedy)
     temperatures: tuple[float, ...] = (1.0, 0.7, 0.0)
@@ -213,6 +241,11 @@ class RegenerateConfig:
             raise ValueError("RegenerateConfig: num_val_prompts and min_loss_tokens must be >= 0")
         if not self.temperatures or any(t < 0 for t in self.temperatures):
             raise ValueError(f"RegenerateConfig.temperatures = {self.temperatures}: give one or more values >= 0")
+        if self.max_context is not None and self.max_context < self.max_prompt_tokens:
+            raise ValueError(
+                f"RegenerateConfig.max_context = {self.max_context}: must be >= max_prompt_tokens "
+                f"({self.max_prompt_tokens})"
+            )
 
 
 @dataclass(frozen=True)
@@ -280,7 +313,18 @@ def build_draft_dataset(cfg: RegenerateConfig) -> RegenerateResult:
             raise FileNotFoundError(f"{path} not found; build the corpus with `python -m dspark.train.corpus {corpus}`")
         return [d["text"] for d in iter_documents(path)]
 
-    kw = dict(min_tokens=cfg.min_prompt_tokens, max_tokens=cfg.max_prompt_tokens)
+    longest = (cfg.max_context or cfg.max_prompt_tokens) + cfg.max_new_tokens
+    if longest > engine.max_model_len:
+        raise ValueError(
+            f"draft-data: prompts of up to {longest - cfg.max_new_tokens} tokens + max_new_tokens "
+            f"{cfg.max_new_tokens} exceed the target's max_model_len {engine.max_model_len}; lower --max-context"
+        )
+    kw = dict(
+        min_tokens=cfg.min_prompt_tokens,
+        max_tokens=cfg.max_prompt_tokens,
+        max_context=cfg.max_context,
+        long_fraction=cfg.long_fraction,
+    )
     encode = partial(tok.encode, add_special_tokens=False)  # text cut from inside a document: no BOS
     train_prompts = corpus_prompts(texts("train"), encode, cfg.num_prompts, seed=cfg.seed, **kw)
     val_prompts = corpus_prompts(texts("validation"), encode, cfg.num_val_prompts, seed=cfg.seed + 1, **kw)

@@ -43,7 +43,15 @@ from torch import nn
 
 from dspark.config import DraftConfig, GQATargetConfig, TargetConfig
 from dspark.models.drafter import DSparkDrafter
-from dspark.train.anchors import block_inputs, block_positions, block_targets, block_visibility, sample_anchors
+from dspark.train.anchors import (
+    block_inputs,
+    block_positions,
+    block_targets,
+    block_visibility,
+    depth_summary,
+    sample_anchors,
+    tau_by_depth,
+)
 from dspark.train.features import FeatureCache, Features, target_features, target_logits_at
 from dspark.train.loop import TrainLoop, atomic_torch_save, checkpoint_path, warmup_cosine
 from dspark.train.loss import DSparkLoss, LossWeights, dspark_loss, position_weights
@@ -181,6 +189,7 @@ class DraftTrainConfig:
     horizon_interval: int = 50  # time mode: re-derive the horizon every N steps (median of the last N)
     autocast_bf16: bool = True
     absorbed: bool = True  # absorbed MLA (latent-space attention) for the drafter and online target features
+    feature_chunk: int | None = None  # online features of longer samples: the target runs this many tokens at a time
     loss_chunk_elements: int = 1 << 28  # logits per loss chunk (larger: more memory, no recompute in backward)
     seed: int = 42
     num_threads: int | None = None
@@ -188,6 +197,7 @@ class DraftTrainConfig:
     eval_interval: int = 200
     eval_max_samples: int | None = None
     eval_num_anchors: int = 512
+    eval_depth_edges: tuple[int, ...] = (256, 1024, 4096, 16384)  # validation τ per anchor-depth bucket
     ckpt_interval: int = 200
     log_interval: int = 10
     export_dtype: str = "bfloat16"
@@ -202,6 +212,11 @@ class DraftTrainConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"DraftTrainConfig.{name} = {v!r}: must be a positive integer")
+        if self.feature_chunk is not None and (not isinstance(self.feature_chunk, int) or self.feature_chunk <= 0):
+            raise ValueError(f"DraftTrainConfig.feature_chunk = {self.feature_chunk!r}: must be null or positive")
+        edges = list(self.eval_depth_edges)
+        if not edges or edges[0] <= 0 or any(a >= b for a, b in zip(edges, edges[1:])):
+            raise ValueError(f"DraftTrainConfig.eval_depth_edges = {edges}: must be increasing positive positions")
         if self.max_steps is None and self.epochs is None and self.max_minutes is None:
             raise ValueError("DraftTrainConfig: set max_steps, epochs or max_minutes")
         if self.lr <= 0 or self.grad_clip <= 0:
@@ -260,6 +275,8 @@ class DraftTrainConfig:
         d = {k: v for k, v in d.items() if k in known}
         if d.get("target_layer_ids") is not None:
             d["target_layer_ids"] = tuple(d["target_layer_ids"])
+        if d.get("eval_depth_edges") is not None:
+            d["eval_depth_edges"] = tuple(d["eval_depth_edges"])
         return cls(**d)
 
 
@@ -617,6 +634,7 @@ class DraftTrainer(TrainLoop[tuple["MetricSums", float]]):
             self.cfg.feature_dtype,
             self.cfg.autocast_bf16,
             self.cfg.absorbed,
+            self.cfg.feature_chunk,
         )
 
     def target_logits(self, batch: BlockBatch, hidden: torch.Tensor) -> torch.Tensor:
@@ -706,6 +724,7 @@ class DraftTrainer(TrainLoop[tuple["MetricSums", float]]):
         n = len(self.val_data) if cfg.eval_max_samples is None else min(cfg.eval_max_samples, len(self.val_data))
         mine = list(range(self.dist.rank, n, self.dist.world_size))
         sums = MetricSums(self.K)
+        depth = torch.zeros(2, len(cfg.eval_depth_edges) + 1, dtype=torch.float64)
         was = self.module.training
         self.module.eval()
         for i in range(0, len(mine), self.micro):
@@ -716,9 +735,11 @@ class DraftTrainer(TrainLoop[tuple["MetricSums", float]]):
             denom = self._weight_sum(batch)
             res = self.batch_loss(batch, "validation", denom, self.block_forward)
             sums.add(res, batch.eval_mask, self.weights, float(denom))
+            depth += tau_by_depth(res.accept_target, batch.eval_mask, batch.anchors, cfg.eval_depth_edges)
         self.module.train(was)
         sums.values = self.dist.all_sum(sums.values)
-        return sums.summary(self.weights)
+        by_depth = depth_summary(self.dist.all_sum(depth), cfg.eval_depth_edges)
+        return sums.summary(self.weights) | {"tau_by_depth": by_depth}
 
     # ---- the shared loop's hooks ---------------------------------------------------------------------
     @property
@@ -758,7 +779,11 @@ class DraftTrainer(TrainLoop[tuple["MetricSums", float]]):
         if ev is not None:
             self.log.eval.append({"step": self.step} | ev)
             self.last_eval = ev
-            self.say(f"step {self.step}: eval tau {ev['tau_probabilistic']:.3f} accept_rate {ev['accept_rate']}")
+            deep = " ".join(f"{k}:{v:.2f}" for k, v in ev["tau_by_depth"].items() if v is not None)
+            self.say(
+                f"step {self.step}: eval tau {ev['tau_probabilistic']:.3f} accept_rate {ev['accept_rate']} "
+                f"tau by depth {deep}"
+            )
 
     def last_eval_step(self) -> int | None:
         return self.log.eval[-1]["step"] if self.log.eval else None

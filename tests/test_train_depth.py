@@ -1,0 +1,135 @@
+"""Drafter training for depth: target features computed chunk by chunk equal one pass (bounded memory for long
+samples), anchors are drawn across the whole sample, and validation reports τ per anchor-depth bucket."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from dspark.models.tiny import build_tiny_gqa_pair, build_tiny_hybrid_pair, build_tiny_pair, tiny_target_config
+from dspark.train.anchors import depth_labels, depth_summary, sample_anchors, tau_by_depth
+from dspark.train.features import target_features
+from dspark.train.regenerate import DraftDataset
+from dspark.train.trainer import DraftTrainConfig, DraftTrainer
+
+
+def _long_target():
+    tcfg = tiny_target_config()
+    tcfg = replace(tcfg, rope=replace(tcfg.rope, factor=8.0, original_max_position_embeddings=64))
+    return build_tiny_pair(0, tcfg)[0]
+
+
+@pytest.mark.parametrize("family", ["mla", "llama"])
+def test_chunked_target_features_equal_one_pass(family):
+    """Taps and final hidden of two right-padded samples (150 and 97 tokens, past the 64-token original window)
+    computed 32 tokens at a time over a latent cache equal the one-pass features."""
+    target = _long_target() if family == "mla" else build_tiny_gqa_pair(0)[0]
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(4, 96, (2, 150), generator=g)
+    ids[1, 97:] = 0  # padding: the causal target ignores it
+    taps = (0, 2)
+    one = target_features(target, ids, taps, "float32", autocast=False)
+    chunked = target_features(target, ids, taps, "float32", autocast=False, chunk=32)
+    torch.testing.assert_close(chunked.taps, one.taps, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(chunked.hidden, one.hidden, rtol=1e-5, atol=1e-5)
+    short = target_features(target, ids[:, :20], taps, "float32", autocast=False, chunk=32)  # ≤ chunk: one pass
+    torch.testing.assert_close(short.hidden, one.hidden[:, :20], rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_features_refuse_a_stateful_target():
+    target = build_tiny_hybrid_pair(0)[0]
+    with pytest.raises(ValueError, match="feature_chunk"):
+        target_features(target, torch.randint(4, 96, (1, 40)), (0,), "float32", autocast=False, chunk=16)
+
+
+def test_anchors_are_drawn_across_the_whole_sample():
+    """With few anchors per sample over a 4,000-token response, every depth bucket gets anchors (uniform over
+    valid positions, not the first ones)."""
+    S = 4000
+    mask = torch.zeros(1, S, dtype=torch.bool)
+    mask[0, 10:] = True
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(4)
+    for _ in range(50):
+        a, keep = sample_anchors(mask, 8, g)
+        assert keep.all() and (a >= 10).all() and (a < S - 1).all()
+        counts += torch.bincount(torch.bucketize(a[0], torch.tensor([1000, 2000, 3000]), right=True), minlength=4)
+    assert (counts > 60).all(), counts  # 400 anchors, ~100 per quarter
+
+
+def test_tau_by_depth_by_hand():
+    edges = (256, 1024)
+    assert depth_labels(edges) == ["0-255", "256-1023", "1024+"]
+    anchors = torch.tensor([[3, 255, 256, 5000]])
+    accept = torch.tensor([[[1.0, 0.5], [0.5, 0.5], [0.2, 1.0], [0.0, 0.0]]])
+    mask = torch.tensor([[[True, True], [True, False], [True, True], [False, False]]])
+    accept = accept * mask
+    sums = tau_by_depth(accept, mask, anchors, edges)
+    # τ = 1 + c1 + c1·c2: 2.5 and 1.5 at depth < 256; 1.4 at 256; the last block is unsupervised
+    torch.testing.assert_close(sums, torch.tensor([[4.0, 1.4, 0.0], [2.0, 1.0, 0.0]], dtype=torch.float64))
+    assert depth_summary(sums, edges) == {"0-255": 2.0, "256-1023": 1.4, "1024+": None}
+
+
+def test_validation_reports_tau_by_depth_and_chunked_features_train_the_same():
+    """The evaluation reports τ per anchor-depth bucket, and a trainer with feature_chunk computes the same loss
+    as one without."""
+    target = _long_target()
+    rng = np.random.default_rng(0)
+    samples = []
+    for length in (40, 130, 200):
+        ids = rng.integers(4, 96, length).tolist()
+        samples.append((ids, [0] * 5 + [1] * (length - 5)))
+    data = DraftDataset.from_samples(samples)
+    cfg = DraftTrainConfig(
+        max_steps=1,
+        batch_size=3,
+        num_anchors=12,
+        markov_rank=8,
+        autocast_bf16=False,
+        feature_dtype="float32",
+        progress=False,
+        num_threads=1,
+        eval_num_anchors=64,
+        eval_depth_edges=(64, 128),
+    )
+    trainer = DraftTrainer(cfg, target, data, data)
+    ev = trainer.evaluate()
+    assert ev is not None and list(ev["tau_by_depth"]) == ["0-63", "64-127", "128+"]
+    assert all(v is not None and 1.0 <= v <= 8.0 for v in ev["tau_by_depth"].values())
+    chunked = DraftTrainer(replace(cfg, feature_chunk=48), target, data, data)
+    chunked.drafter.load_state_dict(trainer.drafter.state_dict())
+    b = trainer.step_batches(0)[0]
+    ref = trainer.batch_loss(b, "train", trainer._weight_sum(b))
+    got = chunked.batch_loss(b, "train", chunked._weight_sum(b))
+    torch.testing.assert_close(got.loss, ref.loss, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="eval_depth_edges"):
+        replace(cfg, eval_depth_edges=(128, 64))
+    with pytest.raises(ValueError, match="feature_chunk"):
+        replace(cfg, feature_chunk=0)
+
+
+def test_long_context_prompts_run_back_into_preceding_documents():
+    """With max_context, about long_fraction of the prompts are long (log-uniform lengths up to max_context) and
+    run back over earlier documents; the short ones keep their [min, max] lengths."""
+    from dspark.train.regenerate import RegenerateConfig, corpus_prompts
+
+    docs = [f"# file {d}\n" + "".join(f"def f{d}_{i}(x):\n    return x + {i}\n\n" for i in range(40)) for d in range(6)]
+
+    def encode(text: str) -> list[int]:
+        return [4 + (b % 90) for b in text.encode()]
+
+    prompts = corpus_prompts(docs, encode, 80, min_tokens=10, max_tokens=30, seed=1, max_context=4000)
+    long = [p for p in prompts if len(p) > 30]
+    assert all(10 <= len(p) <= 4000 for p in prompts)
+    assert 8 <= len(long) <= 40 and max(len(p) for p in long) > 1500  # ~25 % of 80, log-uniform up to 4000
+    marker = encode("\n\n# file ")  # a file boundary of the concatenation
+    crossing = [any(p[i : i + len(marker)] == marker for i in range(len(p))) for p in long if len(p) > len(docs[0])]
+    assert crossing and all(crossing)  # longer than a whole file: runs back over the file before
+    assert corpus_prompts(docs, encode, 20, 10, 30, seed=1) == corpus_prompts(docs, encode, 20, 10, 30, seed=1)
+    with pytest.raises(ValueError, match="max_context"):
+        corpus_prompts(docs, encode, 5, 10, 30, max_context=20)
+    with pytest.raises(ValueError, match="max_context"):
+        RegenerateConfig(max_prompt_tokens=128, max_context=64)
