@@ -21,7 +21,7 @@ from dspark.models.k3 import AttnResStream, GatedMLP, K3MoE, ResidualStream, Res
 from dspark.models.kda import KimiDeltaAttention, StateStore
 from dspark.models.layers import RMSNorm, SwiGLU, causal_mask, no_empty_rows
 from dspark.models.mla import LatentStore, MLAttention
-from dspark.models.protocol import PageFormat, StateSpec
+from dspark.models.protocol import PageFormat, StateSpec, head_output
 from dspark.models.rope import RotaryEmbedding
 from dspark.models.target import MoE, TargetOutput
 
@@ -177,8 +177,4 @@ class KimiLinearTarget(nn.Module):
             if i in wanted:
                 taps.append(stream.tap(tap_stream or self.config.tap_streams[0]))
         h = self.model.norm(stream.output(self.model.output_attn_res))
-        logits = None
-        if compute_logits:
-            rows = h if logits_rows is None else h.gather(1, logits_rows[..., None].expand(-1, -1, h.shape[-1]))
-            logits = self.compute_logits(rows)
-        return TargetOutput(logits=logits, taps=torch.cat(taps, -1) if taps else None, hidden=h)
+        return head_output(h, taps, logits_rows, self.compute_logits if compute_logits else None)

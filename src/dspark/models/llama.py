@@ -17,7 +17,7 @@ from torch import nn
 
 from dspark.config import GQATargetConfig
 from dspark.models.layers import RMSNorm, SwiGLU, attention_bias, causal_mask, no_empty_rows
-from dspark.models.protocol import CacheView, PageFormat, StateSpec, TargetOutput
+from dspark.models.protocol import CacheView, PageFormat, StateSpec, TargetOutput, head_output
 from dspark.models.rope import RotaryEmbedding, apply_rope
 from dspark.profiling import scope
 
@@ -116,6 +116,10 @@ class LlamaTarget(nn.Module):
             for layer in self.model.layers:
                 layer.mlp.fuse()
 
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Post-norm hidden [..., D] → fp32 logits [..., V]."""
+        return self.lm_head(hidden).float()
+
     @property
     def page_format(self) -> PageFormat:
         cfg = self.config
@@ -159,8 +163,4 @@ class LlamaTarget(nn.Module):
                 taps.append(h)
         with scope("lm_head"):
             h = self.model.norm(h)
-            logits = None
-            if compute_logits:
-                rows = h if logits_rows is None else h.gather(1, logits_rows[..., None].expand(-1, -1, h.shape[-1]))
-                logits = self.lm_head(rows).float()
-        return TargetOutput(logits=logits, taps=torch.cat(taps, -1) if taps else None, hidden=h)
+            return head_output(h, taps, logits_rows, self.compute_logits if compute_logits else None)

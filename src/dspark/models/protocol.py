@@ -11,7 +11,7 @@ The engine, scheduler and verification never branch on the family.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -88,6 +88,22 @@ class TargetOutput:
     logits: torch.Tensor | None  # [B, N, V] fp32 at the requested rows
     taps: torch.Tensor | None  # [B, T, m·D] concatenated raw outputs of the tapped layers
     hidden: torch.Tensor  # [B, T, D] final post-norm hidden state
+
+
+def head_output(
+    hidden: torch.Tensor,
+    taps: list[torch.Tensor],
+    logits_rows: torch.Tensor | None,
+    project: Callable[[torch.Tensor], torch.Tensor] | None,
+) -> TargetOutput:
+    """The end of every decoder's forward: post-norm hidden [B, T, D] and the tapped streams (each [B, T, D]) →
+    TargetOutput with ``project``'s fp32 logits at logits_rows [B, N] (all rows when None; none without project)."""
+    logits = None
+    if project is not None:
+        D = hidden.shape[-1]
+        rows = hidden if logits_rows is None else hidden.gather(1, logits_rows[..., None].expand(-1, -1, D))
+        logits = project(rows)
+    return TargetOutput(logits=logits, taps=torch.cat(taps, -1) if taps else None, hidden=hidden)
 
 
 class Target(Protocol):

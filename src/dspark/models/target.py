@@ -17,7 +17,7 @@ from torch import nn
 from dspark.config import TargetConfig
 from dspark.models.layers import RMSNorm, SwiGLU, attention_bias, causal_mask, no_empty_rows
 from dspark.models.mla import LatentStore, MLAttention
-from dspark.models.protocol import PageFormat, StateSpec, TargetOutput
+from dspark.models.protocol import PageFormat, StateSpec, TargetOutput, head_output
 from dspark.models.rope import RotaryEmbedding
 from dspark.profiling import scope
 
@@ -264,8 +264,4 @@ class MLATarget(nn.Module):
                 taps.append(h)
         with scope("lm_head"):
             h = self.model.norm(h)
-            logits = None
-            if compute_logits:
-                rows = h if logits_rows is None else h.gather(1, logits_rows[..., None].expand(-1, -1, h.shape[-1]))
-                logits = self.compute_logits(rows)
-        return TargetOutput(logits=logits, taps=torch.cat(taps, -1) if taps else None, hidden=h)
+            return head_output(h, taps, logits_rows, self.compute_logits if compute_logits else None)
