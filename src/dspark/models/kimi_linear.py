@@ -19,10 +19,9 @@ from torch import nn
 from dspark.config import KimiLinearConfig
 from dspark.models.k3 import AttnResStream, GatedMLP, K3MoE, ResidualStream, ResMix
 from dspark.models.kda import KimiDeltaAttention, StateStore
-from dspark.models.layers import RMSNorm, SwiGLU, causal_mask, no_empty_rows
+from dspark.models.layers import DecoderTarget, RMSNorm, SwiGLU, causal_mask, no_empty_rows
 from dspark.models.mla import LatentStore, MLAttention
 from dspark.models.protocol import PageFormat, StateSpec, head_output
-from dspark.models.rope import RotaryEmbedding
 from dspark.models.target import MoE, TargetOutput
 
 _EXPERT_NAMES = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
@@ -94,17 +93,12 @@ class _Backbone(nn.Module):
         return ResidualStream(embedding) if block is None else AttnResStream(embedding, block)
 
 
-class KimiLinearTarget(nn.Module):
+class KimiLinearTarget(DecoderTarget):
     """Hybrid decoder over a batch of right-padded rows: MLA latents in a LatentStore, KDA states in a StateStore."""
 
     def __init__(self, cfg: KimiLinearConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.model = _Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.base.hidden_size, cfg.base.vocab_size, bias=False)
-        if cfg.base.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = RotaryEmbedding(cfg.base.rope)
+        b = cfg.base
+        super().__init__(cfg, _Backbone(cfg), b.hidden_size, b.vocab_size, b.tie_word_embeddings, b.rope)
 
     # the Target protocol ---------------------------------------------------------------------------
     @property
@@ -137,14 +131,6 @@ class KimiLinearTarget(nn.Module):
     @property
     def latent_dim(self) -> int:
         return self.config.mla.latent_dim
-
-    @property
-    def embed_tokens(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Post-norm hidden [..., D] → fp32 logits [..., V]."""
-        return self.lm_head(hidden).float()
 
     def forward(
         self,

@@ -6,6 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.config import RopeConfig
+from dspark.models.rope import RotaryEmbedding
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) · weight, computed in fp32 and cast back (as DeepSeek/HF do)."""
@@ -101,3 +104,28 @@ def attention_bias(mask: torch.Tensor) -> torch.Tensor:
         return mask
     bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
     return bias.masked_fill_(~mask, float("-inf"))[:, None]
+
+
+class DecoderTarget(nn.Module):
+    """What every native decoder family shares: the HF-named backbone under ``model`` (``embed_tokens``,
+    ``layers``, ``norm``), an lm_head (own or tied to the embedding) and the rotary tables. Subclasses add the
+    Target protocol's page format and their forward."""
+
+    def __init__(
+        self, config: object, model: nn.Module, hidden_size: int, vocab_size: int, tie: bool, rope: RopeConfig
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.model = model
+        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+        if tie:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(rope)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Post-norm hidden [..., D] → fp32 logits [..., V]."""
+        return self.lm_head(hidden).float()

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.config import GQATargetConfig
-from dspark.models.layers import RMSNorm, SwiGLU, attention_bias, causal_mask, no_empty_rows
+from dspark.models.layers import DecoderTarget, RMSNorm, SwiGLU, attention_bias, causal_mask, no_empty_rows
 from dspark.models.protocol import CacheView, PageFormat, StateSpec, TargetOutput, head_output
-from dspark.models.rope import RotaryEmbedding, apply_rope
+from dspark.models.rope import apply_rope
 from dspark.profiling import scope
 
 
@@ -96,29 +96,19 @@ class _Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class LlamaTarget(nn.Module):
+class LlamaTarget(DecoderTarget):
     """Llama / Qwen2 / Qwen3 decoder over a batch of sequences with a paged K/V cache (a ``Target``)."""
 
     tap_streams = ("residual",)  # what a tap can read: the output of its decoder layer
 
     def __init__(self, cfg: GQATargetConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.model = _Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = RotaryEmbedding(cfg.rope)
+        super().__init__(cfg, _Backbone(cfg), cfg.hidden_size, cfg.vocab_size, cfg.tie_word_embeddings, cfg.rope)
 
     def fuse_for_inference(self) -> None:
         """Fused gate|up MLP weights for the inference path (see MLATarget.fuse_for_inference). Idempotent."""
         with torch.inference_mode(False), torch.no_grad():
             for layer in self.model.layers:
                 layer.mlp.fuse()
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Post-norm hidden [..., D] → fp32 logits [..., V]."""
-        return self.lm_head(hidden).float()
 
     @property
     def page_format(self) -> PageFormat:
@@ -128,10 +118,6 @@ class LlamaTarget(nn.Module):
     @property
     def state_spec(self) -> StateSpec | None:
         return None
-
-    @property
-    def embed_tokens(self) -> nn.Embedding:
-        return self.model.embed_tokens
 
     def forward(
         self,

@@ -15,10 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.config import TargetConfig
-from dspark.models.layers import RMSNorm, SwiGLU, attention_bias, causal_mask, no_empty_rows
+from dspark.models.layers import DecoderTarget, RMSNorm, SwiGLU, attention_bias, causal_mask, no_empty_rows
 from dspark.models.mla import LatentStore, MLAttention
 from dspark.models.protocol import PageFormat, StateSpec, TargetOutput, head_output
-from dspark.models.rope import RotaryEmbedding
 from dspark.profiling import scope
 
 
@@ -186,19 +185,13 @@ class _Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class MLATarget(nn.Module):
+class MLATarget(DecoderTarget):
     """DeepSeek-V3 / Kimi-K2 decoder over a batch of sequences with a shared latent store."""
 
     tap_streams = ("residual",)  # what a tap can read: the output of its decoder layer
 
     def __init__(self, cfg: TargetConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.model = _Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = RotaryEmbedding(cfg.rope)
+        super().__init__(cfg, _Backbone(cfg), cfg.hidden_size, cfg.vocab_size, cfg.tie_word_embeddings, cfg.rope)
 
     def fuse_for_inference(self) -> None:
         """Fused gate|up weights and stacked experts for the inference path (parameters become views into them;
@@ -223,14 +216,6 @@ class MLATarget(nn.Module):
     @property
     def latent_dim(self) -> int:
         return self.config.mla.latent_dim
-
-    @property
-    def embed_tokens(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Post-norm hidden [..., D] → fp32 logits [..., V]."""
-        return self.lm_head(hidden).float()
 
     def forward(
         self,
