@@ -6,10 +6,11 @@ import math
 import numpy as np
 import pytest
 import torch
-from transformers import DeepseekV3ForCausalLM
+from transformers import DeepseekV3ForCausalLM, KimiLinearForCausalLM
 
 from dspark.cli import main
-from dspark.config import TargetConfig
+from dspark.config import KimiLinearConfig, TargetConfig
+from dspark.models.kimi_linear import KimiLinearTarget
 from dspark.models.loading import load_target
 from dspark.models.target import MLATarget
 from dspark.train.pretrain import (
@@ -18,6 +19,7 @@ from dspark.train.pretrain import (
     TokenWindows,
     checkpoint_path,
     default_target_config,
+    kimi_k3_mini_config,
     lr_at,
     tiny_pretrain_config,
     train_target,
@@ -167,3 +169,51 @@ def test_time_budget_derives_and_records_a_horizon(data_dir, tmp_path):
     assert all(h > cfg.warmup_steps and h > s for s, h in log["horizons"])
     blob = torch.load(checkpoint_path(tmp_path / "t"), weights_only=True)
     assert blob["run"]["max_steps"] == log["horizons"][-1][1] == result.max_steps
+
+
+# ---- the K3-shaped hybrid (kimi_linear) ---------------------------------------------------------------
+
+
+def test_hybrid_layout_is_k3s_three_to_one():
+    cfg = kimi_k3_mini_config().target_config(8192)
+    assert isinstance(cfg, KimiLinearConfig)
+    assert cfg.mla_layers == (3, 7, 11) and len(cfg.kda_layers) == 9  # 1-based 4, 8, 12: every 4th + the last
+    assert cfg.mla.latent_dim == 576 and cfg.base.mla_use_nope and cfg.base.mla_use_output_gate
+    assert (cfg.hidden_act, cfg.moe_latent_size, cfg.attn_res_block_size) == ("situ", 128, 4)
+    assert cfg.kda.gate_lower_bound == -5.0 and cfg.tap_streams[0] == "prefix"
+    assert cfg.mlp_layer_types[0] == "dense" and set(cfg.mlp_layer_types[1:]) == {"sparse"}
+    assert KimiLinearConfig.from_dict(cfg.to_hf_dict()).layer_types == cfg.layer_types
+    with pytest.raises(ValueError, match="architecture"):
+        PretrainConfig(architecture="mamba")
+
+
+@pytest.mark.parametrize("k3_extras", [True, False])
+def test_hybrid_learns_and_exports_a_kimi_linear_checkpoint(data_dir, tmp_path, k3_extras):
+    plain = {"hidden_act": "silu", "moe_latent_size": None, "attn_res_block_size": None}
+    plain |= {"mla_use_output_gate": False, "kda_gate_lower_bound": None}
+    extras = {} if k3_extras else plain
+    cfg = tiny(data_dir, tmp_path / "h", architecture="kimi_linear", max_steps=30, export_dtype="float32", **extras)
+    result = train_target(cfg)
+    first, last = np.mean(result.losses[:3]), np.mean(result.losses[-3:])
+    assert last < first - 1.0
+    export = tmp_path / "h" / "export"
+    ours = load_target(export, "float32")
+    assert isinstance(ours, KimiLinearTarget) and ours.config.layer_types == ("linear_attention", "full_attention")
+    ids = torch.randint(6, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    blob = torch.load(checkpoint_path(tmp_path / "h"), weights_only=True)
+    trained = KimiLinearTarget(cfg.target_config(VOCAB))
+    trained.load_state_dict(blob["model"])
+    with torch.no_grad():
+        want = trained.eval()(ids).logits
+        torch.testing.assert_close(ours(ids).logits, want, rtol=0, atol=1e-5)
+        if not k3_extras:  # plain Kimi Linear: transformers reads the export unchanged
+            hf = KimiLinearForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
+            torch.testing.assert_close(ours(ids).logits, hf(ids).logits.float(), rtol=0, atol=1e-4)
+
+
+def test_hybrid_resume_is_bit_identical(data_dir, tmp_path):
+    kw = {"architecture": "kimi_linear"}
+    full = train_target(tiny(data_dir, tmp_path / "full", **kw))
+    train_target(tiny(data_dir, tmp_path / "split", halt_at_step=5, **kw))
+    resumed = train_target(tiny(data_dir, tmp_path / "split", **kw), resume=True)
+    assert resumed.losses == full.losses[5:]

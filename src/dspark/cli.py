@@ -101,11 +101,15 @@ def cmd_train_target(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from dataclasses import replace
 
-    from dspark.train.pretrain import PretrainConfig, tiny_pretrain_config, train_target
+    from dspark.train.pretrain import PretrainConfig, kimi_k3_mini_config, tiny_pretrain_config, train_target
 
-    default = PretrainConfig()
+    default = kimi_k3_mini_config() if args.kimi_k3_mini else PretrainConfig()
     data_dir, out_dir = args.data_dir or default.data_dir, args.out_dir or default.out_dir
-    cfg = tiny_pretrain_config(data_dir, out_dir) if args.tiny else replace(default, data_dir=data_dir, out_dir=out_dir)
+    if args.tiny:
+        arch = {"architecture": default.architecture} if args.kimi_k3_mini else {}
+        cfg = tiny_pretrain_config(data_dir, out_dir, **arch)
+    else:
+        cfg = replace(default, data_dir=data_dir, out_dir=out_dir)
     overrides = {
         k: getattr(args, k)
         for k in ("max_minutes", "max_steps", "seq_len", "batch_size", "lr", "warmup_steps", "seed")
@@ -151,6 +155,12 @@ def add_train_target(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-threads", type=int, help="torch threads (default min(2, cpus))")
     p.add_argument("--resume", action="store_true", help="continue exactly from OUT_DIR/checkpoint/last.pt")
     p.add_argument("--tiny", action="store_true", help="a seconds-long smoke run with a tiny model")
+    p.add_argument(
+        "--kimi-k3-mini",
+        action="store_true",
+        help="the K3-shaped hybrid (kimi_linear: KDA + MLA-NoPE 3:1, SiTU, latent MoE, AttnRes; "
+        "default out-dir runs/kimi-target) instead of the DeepSeek-V3-shaped k3-mini",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
     p.add_argument("--json", action="store_true", help="print the TrainResult (without losses) as JSON")
     p.set_defaults(func=cmd_train_target)

@@ -213,7 +213,9 @@ class MLAConfig:
 
     @property
     def softmax_scale(self) -> float:
-        return attention_scale(self.qk_head_dim, self.rope)
+        """d_qk^-1/2, times YaRN's mscale² only when the layer rotates: a NoPE MLA (K3's target) uses the plain
+        scale whatever rope_scaling says (as transformers' KimiLinear and vLLM's K3 MLA do)."""
+        return self.qk_head_dim**-0.5 if self.use_nope else attention_scale(self.qk_head_dim, self.rope)
 
 
 # --------------------------------------------------------------------------------------------------------

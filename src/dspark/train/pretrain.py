@@ -43,9 +43,11 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from dspark.config import RopeConfig, TargetConfig
-from dspark.models.loading import save_target
-from dspark.models.target import MLATarget, MoEGate
+from dspark.config import KimiLinearConfig, RopeConfig, TargetConfig
+from dspark.models.k3 import K3MoE
+from dspark.models.kimi_linear import KimiLinearTarget
+from dspark.models.loading import save_kimi_linear, save_target
+from dspark.models.target import MLATarget, MoE, MoEGate
 from dspark.train.loop import TrainLoop, atomic_torch_save, checkpoint_path, warmup_cosine
 
 EXPORT_DIR = "export"
@@ -113,6 +115,19 @@ class PretrainConfig:
     rope_theta: float = 10000.0
     yarn_factor: float = 4.0
     original_max_position_embeddings: int | None = None  # None: seq_len
+    # "deepseek_v3": MLA in every layer; "kimi_linear": K3's hybrid (KDA layers, MLA-NoPE with output gate every
+    # ``full_attention_interval``-th layer and the last, SiTU, latent MoE, AttnRes); the MLA fields above apply to
+    # both, the ones below only to kimi_linear
+    architecture: str = "deepseek_v3"
+    full_attention_interval: int = 4
+    kda_num_heads: int = 2
+    kda_head_dim: int = 128
+    kda_gate_lower_bound: float | None = -5.0  # K3's bounded gate; None: Kimi Linear's −e^A·softplus
+    kda_chunk_size: int = 16  # rows per chunk of the chunkwise KDA in training (the result does not depend on it)
+    hidden_act: str = "situ"
+    moe_latent_size: int | None = 128
+    attn_res_block_size: int | None = 4
+    mla_use_output_gate: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -142,6 +157,10 @@ class PretrainConfig:
             raise ValueError(f"PretrainConfig.min_lr_ratio = {self.min_lr_ratio}: must be in [0, 1]")
         if self.lr <= 0 or self.grad_clip <= 0:
             raise ValueError(f"PretrainConfig: lr ({self.lr}) and grad_clip ({self.grad_clip}) must be positive")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(
+                f"PretrainConfig.architecture = {self.architecture!r}: use one of {list(ARCHITECTURES)}"
+            )
 
     @property
     def time_mode(self) -> bool:
@@ -152,7 +171,11 @@ class PretrainConfig:
     def original_context(self) -> int:
         return self.original_max_position_embeddings or self.seq_len
 
-    def target_config(self, vocab_size: int) -> TargetConfig:
+    def target_config(self, vocab_size: int) -> TargetConfig | KimiLinearConfig:
+        mla = self.mla_config(vocab_size)
+        return mla if self.architecture == "deepseek_v3" else hybrid_target_config(mla, self)
+
+    def mla_config(self, vocab_size: int) -> TargetConfig:
         return default_target_config(
             vocab_size,
             hidden_size=self.hidden_size,
@@ -183,8 +206,19 @@ class PretrainConfig:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
+ARCHITECTURES = ("deepseek_v3", "kimi_linear")
+
 # model-shape fields: a resumed run must use the same ones as the checkpoint
 SHAPE_FIELDS: tuple[str, ...] = (
+    "architecture",
+    "full_attention_interval",
+    "kda_num_heads",
+    "kda_head_dim",
+    "kda_gate_lower_bound",
+    "hidden_act",
+    "moe_latent_size",
+    "attn_res_block_size",
+    "mla_use_output_gate",
     "hidden_size",
     "num_hidden_layers",
     "num_attention_heads",
@@ -233,6 +267,9 @@ def tiny_pretrain_config(data_dir: str, out_dir: str, **overrides: Any) -> Pretr
         n_routed_experts=4,
         num_experts_per_tok=2,
         num_threads=1,
+        kda_head_dim=16,
+        moe_latent_size=16,
+        attn_res_block_size=1,
     )
     return replace(base, **overrides)
 
@@ -308,6 +345,48 @@ def default_target_config(
     )
 
 
+def kimi_k3_mini_config(**overrides: Any) -> PretrainConfig:
+    """The bundled K3-shaped hybrid (``kimi-k3-mini``): k3-mini's widths with K3's layout — KDA:MLA 3:1 (MLA at
+    1-based 4, 8, 12), MLA-NoPE with the sigmoid output gate, SiTU, latent MoE (256 → 128), AttnRes blocks of 4."""
+    return replace(PretrainConfig(architecture="kimi_linear", out_dir="runs/kimi-target"), **overrides)
+
+
+def hybrid_target_config(mla: TargetConfig, cfg: PretrainConfig) -> KimiLinearConfig:
+    """A ``kimi_linear`` config over the MLA/MoE widths of ``mla``: MLA (NoPE, output gate) at 1-based layers
+    ``full_attention_interval``, 2·interval, … and the last; KDA everywhere else; K3's additions per ``cfg``.
+    The YaRN RoPE of ``mla`` stays in the config for the drafter (the target's MLA never rotates)."""
+    n = cfg.num_hidden_layers
+    full = sorted({*range(cfg.full_attention_interval, n + 1, cfg.full_attention_interval), n})
+    d = mla.to_hf_dict() | {
+        "model_type": "kimi_linear",
+        "mla_use_nope": True,
+        "mla_use_output_gate": cfg.mla_use_output_gate,
+        "hidden_act": cfg.hidden_act,
+        "routed_scaling_factor": mla.routed_scaling_factor,
+        "first_k_dense_replace": cfg.first_k_dense_replace,
+        "mlp_layer_types": ["dense" if i < cfg.first_k_dense_replace else "sparse" for i in range(n)],
+        "linear_attn_config": {
+            "num_heads": cfg.kda_num_heads,
+            "head_dim": cfg.kda_head_dim,
+            "short_conv_kernel_size": 4,
+            "full_attn_layers": full,
+            "kda_layers": [i for i in range(1, n + 1) if i not in full],
+        },
+    }
+    for key in ("moe_latent_size", "attn_res_block_size"):
+        if getattr(cfg, key) is not None:
+            d[key] = getattr(cfg, key)
+    if cfg.kda_gate_lower_bound is not None:
+        d["linear_attn_config"]["gate_lower_bound"] = cfg.kda_gate_lower_bound
+    hybrid = KimiLinearConfig.from_dict(d, source="PretrainConfig (kimi_linear)")
+    return replace(hybrid, kda=replace(hybrid.kda, chunk_size=cfg.kda_chunk_size))
+
+
+def build_target(cfg: PretrainConfig, vocab_size: int) -> MLATarget | KimiLinearTarget:
+    tcfg = cfg.target_config(vocab_size)
+    return KimiLinearTarget(tcfg) if isinstance(tcfg, KimiLinearConfig) else MLATarget(tcfg)
+
+
 # --------------------------------------------------------------------------------------------------------
 # data
 # --------------------------------------------------------------------------------------------------------
@@ -378,13 +457,21 @@ def validation_windows(tokens: np.ndarray, seq_len: int, max_windows: int | None
 # --------------------------------------------------------------------------------------------------------
 
 
-def init_weights(model: MLATarget, std: float, generator: torch.Generator) -> None:
+def init_weights(model: MLATarget | KimiLinearTarget, std: float, generator: torch.Generator) -> None:
     """N(0, std) for every matrix, std/sqrt(2L) for the residual-branch outputs (o_proj, down_proj), ones for
-    norms, zero router bias."""
+    norms, zero router bias. KDA: short convs start as the identity plus N(0, std) noise, A_log 0 and dt_bias
+    spread over [−5, −1.5] so the K3 gate (−5·σ(·)) starts with per-channel decays between e^−0.03 and e^−0.9."""
     resid_std = std / math.sqrt(2 * model.config.num_hidden_layers)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.ndim == 1:
+            if name.endswith("A_log"):
+                p.zero_()
+            elif name.endswith("dt_bias"):
+                p.uniform_(-5.0, -1.5, generator=generator)
+            elif name.endswith("conv1d.weight"):
+                p.normal_(0.0, std, generator=generator)
+                p[..., -1] += 1.0  # the last tap reads the current row
+            elif p.ndim == 1:
                 p.fill_(1.0)  # RMSNorm weights
             elif name.endswith(("o_proj.weight", "down_proj.weight")):
                 p.normal_(0.0, resid_std, generator=generator)
@@ -451,14 +538,12 @@ class RouterLoad:
 
 def count_params(model: nn.Module) -> tuple[int, int]:
     """(total parameters, parameters active per token: routed experts counted top-k of n)."""
-    cfg: TargetConfig = model.config  # type: ignore[assignment]
     total = sum(p.numel() for p in model.parameters())
     inactive = 0
-    if cfg.is_moe:
-        assert cfg.n_routed_experts is not None and cfg.num_experts_per_tok is not None
-        per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
-        moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
-        inactive = moe_layers * (cfg.n_routed_experts - cfg.num_experts_per_tok) * per_expert
+    for module in model.modules():
+        if isinstance(module, MoE | K3MoE):
+            n, k = len(module.experts), module.gate.cfg.num_experts_per_tok
+            inactive += (n - k) * sum(p.numel() for p in module.experts[0].parameters())
     return total, total - inactive
 
 
@@ -603,7 +688,8 @@ def _write_training_log(path: Path, cfg: PretrainConfig, model: MLATarget, state
 def export_model(model: MLATarget, cfg: PretrainConfig, state: _RunState, extra: dict) -> Path:
     """out_dir/export: config.json, model.safetensors (export_dtype), tokenizer files, training_log.json."""
     out = Path(cfg.out_dir) / EXPORT_DIR
-    save_target(model, out, dtype=cfg.export_dtype)
+    save = save_kimi_linear if isinstance(model, KimiLinearTarget) else save_target
+    save(model, out, dtype=cfg.export_dtype)
     for name in TOKENIZER_FILES:
         src = Path(cfg.data_dir) / name
         if src.is_file():
@@ -652,7 +738,7 @@ class TargetTrainer(TrainLoop[_StepOut]):
                 f"{data_dir}/train.npy has token id {int(train_tokens.max())} >= vocab_size={cfg.vocab_size}"
             )
         torch.manual_seed(cfg.seed)
-        self.model = MLATarget(cfg.target_config(cfg.vocab_size))
+        self.model = build_target(cfg, cfg.vocab_size)
         init_weights(self.model, cfg.init_std, torch.Generator().manual_seed(cfg.seed))
         self.model.train()
         self.opt = build_optimizer(self.model, cfg)

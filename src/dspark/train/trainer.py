@@ -31,7 +31,7 @@ import math
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dspark.config import DraftConfig, GQATargetConfig, TargetConfig
+from dspark.config import DraftConfig, GQATargetConfig, KimiLinearConfig, TargetConfig
 from dspark.models.drafter import DSparkDrafter
 from dspark.train.anchors import (
     block_inputs,
@@ -80,7 +80,7 @@ def spread_taps(num_layers: int, num_taps: int) -> tuple[int, ...]:
 
 
 def draft_config_for(
-    target: TargetConfig | GQATargetConfig,
+    target: TargetConfig | GQATargetConfig | KimiLinearConfig,
     num_layers: int = 2,
     markov_rank: int = 96,
     markov_head_type: str = "vanilla",
@@ -93,7 +93,11 @@ def draft_config_for(
 ) -> DraftConfig:
     """A drafter for ``target`` that shares its page format: k3_dspark (MLA widths) for an MLA target, DeepSpec's
     Qwen3DSparkModel (the target's KV heads and head_dim) for a GQA target; its hidden size, RoPE and special ids;
-    ``num_layers`` layers; taps spread over the target depth."""
+    ``num_layers`` layers; taps spread over the target depth. A hybrid (kimi_linear) target gets the MLA drafter
+    of its MLA layers' widths with RoPE (K3's drafter rotates, its target does not) and no output gate, reading
+    the target's default tap stream (K3: "prefix")."""
+    if isinstance(target, KimiLinearConfig):
+        target = replace(target.base, mla_use_nope=False, mla_use_output_gate=False)
     tap_ids = tuple(taps) if taps is not None else spread_taps(target.num_hidden_layers, num_taps)
     if tap_ids and tap_ids[-1] >= target.num_hidden_layers - 1 and target.num_hidden_layers > 1:
         raise ValueError(
@@ -483,10 +487,9 @@ def build_drafter(cfg: DraftTrainConfig, target: nn.Module) -> DSparkDrafter:
 
 def target_final_norm(target: nn.Module) -> torch.Tensor | None:
     """The weight of the target's final RMSNorm (our MLA or GQA target), if it has one."""
-    from dspark.models.llama import LlamaTarget
-    from dspark.models.target import MLATarget
+    from dspark.models.layers import DecoderTarget
 
-    if isinstance(target, MLATarget | LlamaTarget):
+    if isinstance(target, DecoderTarget):
         return target.model.norm.weight.detach()
     return None
 
