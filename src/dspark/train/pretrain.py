@@ -158,9 +158,7 @@ class PretrainConfig:
         if self.lr <= 0 or self.grad_clip <= 0:
             raise ValueError(f"PretrainConfig: lr ({self.lr}) and grad_clip ({self.grad_clip}) must be positive")
         if self.architecture not in ARCHITECTURES:
-            raise ValueError(
-                f"PretrainConfig.architecture = {self.architecture!r}: use one of {list(ARCHITECTURES)}"
-            )
+            raise ValueError(f"PretrainConfig.architecture = {self.architecture!r}: use one of {list(ARCHITECTURES)}")
 
     @property
     def time_mode(self) -> bool:
