@@ -456,3 +456,15 @@ def test_a_failing_vllm_worker_costs_its_rows_not_the_run(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert [r["name"] for r in report["results"]] == ["ar", "dspark", "ngram"]
     assert sum("failed, no rows" in n for n in report["config"]["notes"]) == 2  # vllm and vllm-ngram
+
+
+def test_peers_that_cannot_run_a_k3_hybrid_are_skipped_with_a_note(tmp_path):
+    from dspark.bench.speed import BenchConfig, Resolved, method_names
+    from dspark.models.tiny import write_tiny_hybrid_pair
+
+    target, draft = write_tiny_hybrid_pair(tmp_path)
+    res = Resolved(target, draft, draft, True, False)
+    notes: list[str] = []
+    names = method_names(BenchConfig("d.jsonl", vllm_python="python"), res, notes)
+    assert "vllm" not in names and "hf-generate" not in names and "ngram" in names
+    assert any("vllm" in n and "skipped" in n for n in notes) and any("hf-generate" in n for n in notes)

@@ -153,3 +153,15 @@ def test_llm_and_spec_model_take_hub_ids(caches, tmp_path: Path):
     llm = LLM("tiny/target", {"method": "dspark", "model": "tiny/draft", "num_speculative_tokens": 3}, dtype="float32")
     out = llm.generate("hi", SamplingParams(temperature=0, max_tokens=8))[0]
     assert len(out.token_ids) == 8 and out.spec_metrics["acceptance_length"] is not None
+
+
+def test_bundled_pairs_are_model_names():
+    from dspark.checkpoint.resolve import BUNDLED_NAMES, bundled_target, locate_model
+    from dspark.llm import BUNDLED_PAIRS, DEFAULT_PAIR, shipped_drafts
+
+    for name in BUNDLED_NAMES:
+        if (bundled_target(name) / "config.json").is_file():
+            found = locate_model(name)
+            assert (found.source, found.path) == ("bundled", bundled_target(name))
+            assert shipped_drafts(found.path) == BUNDLED_PAIRS[name][1:]
+    assert DEFAULT_PAIR in BUNDLED_NAMES

@@ -280,7 +280,7 @@ def cache_report_lines(c: dict) -> list[str]:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
-    p.add_argument("--model", default=None, help="target dir, .gguf or hub id (default: the bundled k3-mini pair)")
+    p.add_argument("--model", default=None, help="target dir, .gguf or hub id (default: the bundled kimi-k3-mini pair)")
     p.add_argument("--speculative-config", default=None, help='vLLM-style JSON or @file, e.g. \'{"method": "dspark"}\'')
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--temperature", type=float, default=temperature)

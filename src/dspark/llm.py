@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dspark.checkpoint.resolve import resolve_model_ref
+from dspark.checkpoint.resolve import BUNDLED_NAMES, bundled_target, resolve_model_ref
 from dspark.config import CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
 from dspark.doctor.gate import check_before_load, check_finite
 from dspark.engine.engine import Engine, RequestOutput, load_adaptive
@@ -17,9 +17,12 @@ from dspark.sampling_params import SamplingParams
 from dspark.tokenizer import load_tokenizer
 
 ASSETS = Path(__file__).resolve().parent / "assets"
-BUNDLED_TARGET = ASSETS / "k3-mini"
-BUNDLED_DRAFT = ASSETS / "k3-mini-dspark"
-BUNDLED_DFLASH = ASSETS / "k3-mini-dflash"
+# name → (target, DSpark drafter, DFlash drafter); the default pair is the K3-shaped hybrid (kimi_linear), the
+# DeepSeek-V3-shaped k3-mini stays (vLLM's CPU build can run it)
+BUNDLED_PAIRS = {n: (bundled_target(n), ASSETS / f"{n}-dspark", ASSETS / f"{n}-dflash") for n in BUNDLED_NAMES}
+DEFAULT_PAIR = next((n for n, (t, _, _) in BUNDLED_PAIRS.items() if (t / "config.json").is_file()), BUNDLED_NAMES[0])
+BUNDLED_TARGET, BUNDLED_DRAFT, BUNDLED_DFLASH = BUNDLED_PAIRS[DEFAULT_PAIR]
+MLA_TARGET, MLA_DRAFT, MLA_DFLASH = BUNDLED_PAIRS["k3-mini"]
 OFFICIAL_DRAFT_CONFIG = ASSETS / "formats" / "kimi-k3-dspark.config.json"  # Inferact/Kimi-K3-DSpark
 # (DSpark, DFlash) drafters shipped for packaged-alias targets
 ALIAS_DRAFTS = {"smollm2-135m-instruct": (ASSETS / "smollm2-135m-dspark", ASSETS / "smollm2-135m-dflash")}
@@ -37,18 +40,19 @@ def resolve_model(model: str | Path | None) -> Path:
     if not (BUNDLED_TARGET / "config.json").exists():
         raise ConfigError(
             f"no --model given and the bundled model is missing at {BUNDLED_TARGET}; pass --model DIR "
-            "(a DeepSeek-V3-format directory)"
+            f"(a model directory) or one of {list(BUNDLED_NAMES)}"
         )
     return BUNDLED_TARGET
 
 
 def shipped_drafts(target_dir: Path) -> tuple[Path, Path] | None:
-    """The (DSpark, DFlash) drafter directories shipped for a target: the bundled k3-mini pair, or the drafters
-    of a packaged alias whose cached export ``target_dir`` is."""
+    """The (DSpark, DFlash) drafter directories shipped for a target: a bundled pair's, or the drafters of a
+    packaged alias whose cached export ``target_dir`` is."""
     from dspark.checkpoint.resolve import is_alias_export
 
-    if target_dir.resolve() == BUNDLED_TARGET.resolve():
-        return BUNDLED_DRAFT, BUNDLED_DFLASH
+    for target, dspark, dflash in BUNDLED_PAIRS.values():
+        if target_dir.resolve() == target.resolve():
+            return dspark, dflash
     for alias, pair in ALIAS_DRAFTS.items():
         if (pair[0] / "config.json").exists() and is_alias_export(target_dir, alias):
             return pair

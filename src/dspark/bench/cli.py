@@ -105,8 +105,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", type=int_list, default=(1,), help="concurrent requests per batch, e.g. 1,4,16")
     p.add_argument("--output", default=None, help="write the results JSON here")
     p.add_argument("--plot", default=None, help="write a PNG (acceptance, tokens/s, τ vs depth)")
-    p.add_argument("--model", default=None, help="target dir (default: the bundled k3-mini)")
-    p.add_argument("--draft", default=None, help="DSpark drafter dir (default: the bundled k3-mini-dspark)")
+    p.add_argument("--model", default=None, help="target dir (default: the bundled kimi-k3-mini)")
+    p.add_argument("--draft", default=None, help="DSpark drafter dir (default: the bundled kimi-k3-mini-dspark)")
     p.add_argument(
         "--dflash-draft", default=None, help="markov_rank-0 drafter for 'dflash' (default: bundled, else head off)"
     )

@@ -254,7 +254,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Times one engine step (drafter proposal + paged target verify) on this machine for every "
         "batch size and tokens per request, and writes the SPS(B) table that enable_adaptive_verification reads.",
     )
-    p.add_argument("--model", default=None, help="target model dir (default: the bundled k3-mini)")
+    p.add_argument("--model", default=None, help="target model dir (default: the bundled kimi-k3-mini)")
     p.add_argument("--draft", default=None, help="draft dir to include in the step (default: bundled draft if any)")
     p.add_argument("--no-draft", action="store_true", help="time the target verify forward only")
     p.add_argument("--output", default="sps_profile.json", help="output JSON (default ./sps_profile.json)")

@@ -24,7 +24,7 @@ from typing import Any
 from dspark.bench.acceptance import sum_counters
 from dspark.bench.baselines import HFGenerate, VLLMError, VLLMMethod
 from dspark.bench.methods import EngineMethod, Measurement, Method
-from dspark.config import ConfigError, DraftConfig, SpeculativeConfig, TargetConfig
+from dspark.config import ConfigError, DraftConfig, KimiLinearConfig, SpeculativeConfig, TargetConfig
 from dspark.engine.metrics import DecodeTimes, tau_bound
 from dspark.sampling_params import SamplingParams
 
@@ -186,9 +186,9 @@ def _decode_sum(ms: list[Measurement]) -> DecodeTimes | None:
 @dataclass(frozen=True)
 class BenchConfig:
     dataset: str
-    model: str | None = None  # target dir (None: the bundled k3-mini)
+    model: str | None = None  # target dir (None: the bundled kimi-k3-mini)
     draft: str | None = None  # DSpark drafter dir (None: the bundled drafter)
-    dflash_draft: str | None = None  # markov_rank-0 drafter (None: bundled k3-mini-dflash, else the head-off DSpark)
+    dflash_draft: str | None = None  # markov_rank-0 drafter (None: the shipped DFlash, else head-off DSpark)
     num_prompts: int | None = 16
     max_tokens: int = 128
     temperatures: tuple[float, ...] = (0.0,)
@@ -286,7 +286,9 @@ def method_names(cfg: BenchConfig, res: Resolved, notes: list[str]) -> list[str]
     else:
         notes.append("dspark: skipped (no drafter for this target; pass --draft DIR)")
     listed = list(cfg.baselines) if cfg.baselines is not None else _applicable(cfg, res, notes)
-    if cfg.vllm_python:
+    if cfg.vllm_python and _peer_cannot_run(res.target_dir, "vLLM's CPU build", notes, VLLM_METHODS):
+        listed += ["ngram"]
+    elif cfg.vllm_python:
         listed += ["ngram", *VLLM_METHODS]
     for n in listed:
         if n not in names and not (n == "dspark" and res.draft_dir is None):
@@ -294,9 +296,25 @@ def method_names(cfg: BenchConfig, res: Resolved, notes: list[str]) -> list[str]
     return names
 
 
+def _peer_cannot_run(target_dir: Path, peer: str, notes: list[str], methods: Sequence[str]) -> bool:
+    """A hybrid kimi_linear target is out of reach of the peers on CPU: transformers' KimiLinearForCausalLM has
+    none of K3's additions (AttnRes, latent MoE, SiTU), and vLLM's KDA layers need its GPU kernels."""
+    from dspark.models.loading import read_target_config
+
+    cfg = read_target_config(target_dir) if (target_dir / "config.json").is_file() else None
+    if not isinstance(cfg, KimiLinearConfig):
+        return False
+    k3 = cfg.attn_res_block_size or cfg.moe_latent_size or cfg.hidden_act != "silu"
+    if peer == "transformers" and not k3:
+        return False
+    why = "K3's AttnRes / latent MoE / SiTU" if peer == "transformers" else "KDA kernels on CPU"
+    notes.append(f"{', '.join(methods)}: skipped ({peer} has no {why} for this kimi_linear target)")
+    return True
+
+
 def _applicable(cfg: BenchConfig, res: Resolved, notes: list[str]) -> list[str]:
     names = ["dflash"] if res.draft_dir is not None else []
-    names += ["ngram", *HF_METHODS]
+    names += ["ngram"] + ([] if _peer_cannot_run(res.target_dir, "transformers", notes, HF_METHODS) else [*HF_METHODS])
     if res.draft_dir is not None:
         if not DraftConfig.load(res.draft_dir).enable_confidence_head:
             notes.append(f"dspark-adaptive: skipped ({res.draft_dir} has no confidence head)")

@@ -51,6 +51,15 @@ ALIASES: dict[str, PackagedModel] = {
 }
 
 
+# model pairs shipped inside dspark (target dirs; their drafters are <name>-dspark and <name>-dflash)
+BUNDLED_DIR = Path(__file__).resolve().parent.parent / "assets"
+BUNDLED_NAMES = ("kimi-k3-mini", "k3-mini")  # the first is the default pair
+
+
+def bundled_target(name: str) -> Path:
+    return BUNDLED_DIR / name
+
+
 def alias_path(name: str) -> Path:
     """The file behind a packaged alias; a clear error naming the install command when the package is absent."""
     m = ALIASES[name]
@@ -86,7 +95,7 @@ class ModelNotFoundError(ConfigError):
 class ModelRef:
     ref: str  # what the user wrote
     path: Path  # a directory, a .gguf file, or another file given by path
-    source: str  # "path" | "alias" | "huggingface-cache" | "modelscope-cache"
+    source: str  # "path" | "alias" | "bundled" | "huggingface-cache" | "modelscope-cache"
     revision: str | None = None
 
     @property
@@ -174,13 +183,16 @@ def locate_model(ref: str | os.PathLike[str], *, role: str = "model") -> ModelRe
         return ModelRef(text, path, "path")
     if text in ALIASES:
         return ModelRef(text, alias_path(text), "alias")
+    if text in BUNDLED_NAMES and (bundled_target(text) / "config.json").is_file():
+        return ModelRef(text, bundled_target(text), "bundled")
     if path.suffix.lower() == ".gguf":
         raise ModelNotFoundError(f"{role}: GGUF file {path} does not exist")
     m = HUB_ID.match(text)
     if m is None:
         raise ModelNotFoundError(
             f"{role} {text!r}: no such file or directory, and not a hub id of the form org/name[@revision] nor an "
-            f"alias ({sorted(ALIASES)}); pass a model directory (config.json + safetensors), a .gguf file or a hub id"
+            f"alias ({sorted(ALIASES)}) nor a bundled model ({list(BUNDLED_NAMES)}); pass a model directory "
+            "(config.json + safetensors), a .gguf file or a hub id"
         )
     repo, revision = m.group("repo"), m.group("revision")
     snapshot = _hf_snapshot(repo, revision)

@@ -39,7 +39,7 @@ from dspark.checkpoint.io import (
     list_checkpoint_tensors,
 )
 from dspark.checkpoint.roster import TensorSpec, compare_roster, report_problems
-from dspark.config import RANDOM_WEIGHTS_KEY, ConfigError, DraftConfig, TargetConfig
+from dspark.config import RANDOM_WEIGHTS_KEY, ConfigError, DraftConfig, KimiLinearConfig, TargetConfig
 
 __all__ = [
     "CHECKS",
@@ -1034,6 +1034,17 @@ def _mla_roster(raw: dict[str, Any], src: Path) -> dict[str, TensorSpec]:
     return roster
 
 
+def _kimi_roster(raw: dict[str, Any], target_dir: Path) -> dict[str, TensorSpec]:
+    """Our kimi_linear roster (K3's additions included, which transformers' class lacks); no model import."""
+    from dspark.models.loading import _dense_prefix, kimi_roster
+
+    try:
+        cfg = KimiLinearConfig.from_dict(raw, source=str(target_dir / "config.json"))
+    except (ConfigError, TypeError, ValueError) as e:
+        raise _Skip(f"the target config.json does not parse ({e})") from e
+    return kimi_roster(cfg, _dense_prefix(target_dir, cfg))
+
+
 def _hf_roster(raw: dict[str, Any]) -> dict[str, TensorSpec]:
     """The tensors transformers' model class for this config holds (built on the meta device)."""
     import warnings
@@ -1056,8 +1067,8 @@ def _hf_roster(raw: dict[str, Any]) -> dict[str, TensorSpec]:
 
 def check_target_roster(ctx: _Context) -> list[Problem]:
     """Every tensor the target's config.json implies is in its checkpoint, with its shape: our roster for MLA
-    targets (strict), transformers' model class for the others (missing / wrong shape; transformers would
-    otherwise initialize a missing tensor at random and only warn)."""
+    and kimi_linear targets (strict), transformers' model class for the others (missing / wrong shape;
+    transformers would otherwise initialize a missing tensor at random and only warn)."""
     raw = ctx.target()
     assert ctx.target_dir is not None
     found = ctx.target_tensors()
@@ -1066,6 +1077,8 @@ def check_target_roster(ctx: _Context) -> list[Problem]:
         report = compare_roster(
             expected, found, ignore_unexpected=("model.layers.*.mlp.experts.*.*_scale*", "lm_head.*")
         )
+    elif raw.get("model_type") == "kimi_linear":
+        report = compare_roster(_kimi_roster(raw, ctx.target_dir), found, ignore_unexpected=("*_scale*",))
     else:
         report = compare_roster(_hf_roster(raw), found, ignore_unexpected=("*",))
         report = replace(report, wrong_dtype=())

@@ -160,10 +160,10 @@ def _dense_prefix(path: str | Path, cfg: KimiLinearConfig) -> str:
     return "block_sparse_moe"
 
 
-def kimi_roster(cfg: KimiLinearConfig) -> dict[str, TensorSpec]:
+def kimi_roster(cfg: KimiLinearConfig, dense_prefix: str = "block_sparse_moe") -> dict[str, TensorSpec]:
     """Expected checkpoint tensors of a kimi_linear config, on the meta device: one layer of each kind (KDA/MLA ×
     dense/MoE) is built and its names repeated, so K3's 93 layers × 896 experts take about a second."""
-    rename = _kimi_rename(cfg)
+    rename = _kimi_rename(cfg, dense_prefix)
     kinds: dict[tuple[bool, str], dict[str, TensorSpec]] = {}
     one = replace(
         cfg,

@@ -106,7 +106,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="MODEL",
         help="target: a model dir, a .gguf file or a hub id org/name[@rev] in the local HF/ModelScope cache "
-        "(as `vllm serve MODEL`; default: the bundled k3-mini pair)",
+        "(as `vllm serve MODEL`; default: the bundled kimi-k3-mini pair; k3-mini for the DeepSeek-V3-shaped one)",
     )
     p.add_argument("--model", default=None, help="the same as MODEL (kept for scripts)")
     p.add_argument("--speculative-config", default=None, help='vLLM-style JSON or @file, e.g. \'{"method": "dspark"}\'')
