@@ -276,6 +276,11 @@ def cache_report_lines(c: dict) -> list[str]:
         )
     elif "request_tokens" in c:
         lines.append(f"a {c['request_tokens']}-token request: target latents {_mib(c['request_target_bytes'])}")
+    if c.get("state_bytes_per_request"):
+        lines.append(
+            f"recurrent state (KDA layers): {_mib(c['state_bytes_per_request'])} per request, whatever its length "
+            f"({c['state_slots']} slots)"
+        )
     return lines
 
 
