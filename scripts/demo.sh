@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 prompt=$(.venv/bin/python -c "import json; print(json.loads(open('src/dspark/assets/prompts/heldout.jsonl').readline())['prompt'])")
-.venv/bin/dspark generate "$prompt" --max-tokens 128 --compare "$@"
+.venv/bin/dspark generate "$prompt" --max-tokens 128 "$@"

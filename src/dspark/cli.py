@@ -305,7 +305,12 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("prompt", nargs="?", default="def fibonacci(n):\n", help="prompt text")
     _add_sampling_args(p, 128, 0.0)
     p.add_argument("--no-spec", action="store_true", help="plain autoregressive decoding")
-    p.add_argument("--compare", action="store_true", help="also run without speculation and print the speed-up")
+    p.add_argument(
+        "--compare",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run without speculation and print the speed-up (default on; --no-compare skips the second run)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, τ, tokens/s, ...)")
     p.set_defaults(func=cmd_generate)
 
