@@ -203,7 +203,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dataset", required=True, help="JSONL prompts (held out from draft training)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--model", default=None, help="target model dir (default: the bundled k3-mini pair)")
+    p.add_argument("--model", default=None, help="target model dir (default: the bundled kimi-k3-mini pair)")
     p.add_argument("--speculative-config", default=None, help='JSON or @file, e.g. \'{"method": "dspark"}\'')
     p.add_argument("--output", default="sts_calibration.json", help="default ./sts_calibration.json")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write a reliability diagram")
