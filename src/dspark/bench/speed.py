@@ -286,10 +286,9 @@ def method_names(cfg: BenchConfig, res: Resolved, notes: list[str]) -> list[str]
     else:
         notes.append("dspark: skipped (no drafter for this target; pass --draft DIR)")
     listed = list(cfg.baselines) if cfg.baselines is not None else _applicable(cfg, res, notes)
-    if cfg.vllm_python and _peer_cannot_run(res.target_dir, "vLLM's CPU build", notes, VLLM_METHODS):
-        listed += ["ngram"]
-    elif cfg.vllm_python:
-        listed += ["ngram", *VLLM_METHODS]
+    if cfg.vllm_python:
+        vllm = not _peer_cannot_run(res.target_dir, "vLLM's CPU build", notes, VLLM_METHODS)
+        listed += ["ngram"] + ([*VLLM_METHODS] if vllm else [])
     for n in listed:
         if n not in names and not (n == "dspark" and res.draft_dir is None):
             names.append(n)
