@@ -24,7 +24,9 @@ from dspark.train.trainer import (
     draft_config_for,
     spread_taps,
     step_samples,
+    shutdown_distributed,
     train_draft,
+    warm_start_,
 )
 
 V = 96  # tiny vocab
@@ -245,8 +247,11 @@ def _ddp_worker(rank: int, world: int, init_file: str, out: str) -> None:
         sums, _ = trainer.train_step()
         if rank == 0:
             torch.save({"params": _params(trainer.drafter), "sums": sums.values}, out)
-    finally:
-        dist.destroy_process_group()
+        del trainer  # its DDP reducer holds gloo work: drop it before the group goes
+        shutdown_distributed()
+    except BaseException:
+        shutdown_distributed(synchronize=False)
+        raise
 
 
 def test_two_rank_gloo_ddp_equals_single_process(target, tmp_path: Path) -> None:
@@ -405,3 +410,31 @@ def test_cli_pipeline_draft_data_features_and_training(tmp_path: Path) -> None:
     for name, rank in (("draft", 8), ("dflash", 0)):
         config = json.loads((tmp_path / name / "export" / "config.json").read_text())
         assert config["markov_rank"] == rank and config["target_layer_ids"] == [1, 2]
+
+
+def test_init_from_warm_starts_a_fresh_run_from_a_checkpoint_or_an_export(target, tmp_path: Path) -> None:
+    data = tiny_dataset(8)
+    first = train_draft(tiny_cfg(max_steps=2, out_dir=str(tmp_path / "a")), target=target, train_data=data)
+    trained = torch.load(tmp_path / "a" / "checkpoint" / "last.pt", weights_only=True)["trainer"]["model"]
+    for source in (tmp_path / "a", tmp_path / "a" / "checkpoint" / "last.pt"):
+        fresh = DraftTrainer(tiny_cfg(seed=7), target, data)
+        assert any(not torch.equal(fresh.drafter.state_dict()[k], v) for k, v in trained.items())
+        warm_start_(fresh.drafter, str(source), target)
+        for k, v in trained.items():
+            torch.testing.assert_close(fresh.drafter.state_dict()[k], v, rtol=0, atol=0, msg=k)
+    fresh = DraftTrainer(tiny_cfg(seed=7), target, data)
+    warm_start_(fresh.drafter, first.export_dir, target)  # bf16 export: equal up to bf16 rounding
+    for k, v in trained.items():
+        torch.testing.assert_close(fresh.drafter.state_dict()[k], v.bfloat16().float(), rtol=0, atol=0, msg=k)
+    # through train_draft: a warm-started run halted before its first step checkpoints the source's weights
+    cfg = tiny_cfg(out_dir=str(tmp_path / "b"), init_from=str(tmp_path / "a"), halt_at_step=0)
+    assert train_draft(cfg, target=target, train_data=data).steps == 0
+    halted = torch.load(tmp_path / "b" / "checkpoint" / "last.pt", weights_only=True)["trainer"]
+    assert halted["step"] == 0
+    for k, v in trained.items():
+        torch.testing.assert_close(halted["model"][k], v, rtol=0, atol=0, msg=k)
+    other = DraftTrainer(tiny_cfg(num_layers=3, seed=7), target, data)
+    with pytest.raises(ValueError, match="init-from .*num_hidden_layers"):
+        warm_start_(other.drafter, str(tmp_path / "a"), target)
+    with pytest.raises(FileNotFoundError, match="init-from"):
+        warm_start_(other.drafter, str(tmp_path / "nowhere"), target)

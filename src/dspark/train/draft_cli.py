@@ -202,6 +202,7 @@ _TRAIN_FLAGS = {
     "--log-interval": ("log_interval", int, "steps between log lines (10)"),
     "--halt-at-step": ("halt_at_step", int, "stop after this step without exporting (as if interrupted)"),
     "--num-threads": ("num_threads", int, "torch threads per process"),
+    "--init-from": ("init_from", str, "warm start from an earlier run (its out dir, last.pt or export dir)"),
 }
 
 

@@ -206,6 +206,7 @@ class DraftTrainConfig:
     log_interval: int = 10
     export_dtype: str = "bfloat16"
     halt_at_step: int | None = None  # stop (checkpoint, no export) after this step, as if interrupted
+    init_from: str | None = None  # warm start: the weights of an earlier run (out_dir, last.pt or export dir)
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -864,6 +865,34 @@ def save_checkpoint(path: Path, trainer: DraftTrainer, log: RunLog) -> None:
     atomic_torch_save(blob, path)
 
 
+def warm_start_(drafter: DSparkDrafter, source: str | Path, target: nn.Module) -> None:
+    """Copy the weights of an earlier run into a fresh drafter (new optimizer and schedule): ``source`` is that
+    run's out_dir, its ``last.pt`` or an exported drafter dir. The drafter configs must be equal."""
+    from dspark.models.loading import load_drafter
+
+    src = Path(source)
+    ckpt = checkpoint_path(src) if src.is_dir() and checkpoint_path(src).is_file() else src
+    if ckpt.is_file():
+        blob = torch.load(ckpt, map_location="cpu", weights_only=True)
+        if "trainer" not in blob or "draft_config" not in blob:
+            raise ValueError(f"--init-from {ckpt}: not a train-draft checkpoint (no trainer/draft_config entries)")
+        theirs, state = blob["draft_config"], blob["trainer"]["model"]
+    elif (src / "config.json").is_file():
+        loaded = load_drafter(src, target)
+        theirs, state = loaded.config.to_dict(), loaded.state_dict()
+    else:
+        raise FileNotFoundError(
+            f"--init-from {src}: neither a run dir with checkpoint/last.pt, a .pt checkpoint, nor a drafter export "
+            "dir with config.json"
+        )
+    ours = drafter.config.to_dict()
+    diffs = [f"{k}: {theirs.get(k)!r} there vs {v!r} here" for k, v in ours.items() if theirs.get(k) != v]
+    if diffs:
+        raise ValueError(f"--init-from {src}: a different drafter ({'; '.join(diffs)}); use the same shape flags")
+    with torch.no_grad():
+        drafter.load_state_dict({k: v.float() for k, v in state.items()})
+
+
 def load_checkpoint(path: Path, cfg: DraftTrainConfig) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no checkpoint to resume from; run without --resume to start fresh")
@@ -925,12 +954,33 @@ def train_draft(
     """Train (or resume) a drafter as configured. Loads the target/data from cfg unless given.
 
     Raises FileExistsError when out_dir already holds a checkpoint and ``resume`` is False."""
+    owns_group = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized()
     dist_info = init_distributed()
     threads = cfg.num_threads
     if threads is None and dist_info.world_size > 1:
         threads = max(1, (os.cpu_count() or 1) // dist_info.world_size)
-    with _threads(threads):
-        return _run(cfg, resume, target, train_data, val_data, dist_info)
+    ok = False
+    try:
+        with _threads(threads):
+            result = _run(cfg, resume, target, train_data, val_data, dist_info)
+        ok = True
+        return result
+    finally:
+        if owns_group:
+            shutdown_distributed(synchronize=ok)
+
+
+def shutdown_distributed(synchronize: bool = True) -> None:
+    """Leave the process group cleanly. The DDP reducer and gloo work objects must be gone first (collected
+    here), and every rank past its last collective (the barrier): destroying a gloo group that still has live
+    work, or leaving it to interpreter teardown, can abort the process ("terminate called without an active
+    exception")."""
+    import gc
+
+    gc.collect()
+    if synchronize:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def _run(cfg, resume, target, train_data, val_data, dist_info: Dist) -> DraftTrainResult:
@@ -949,6 +999,8 @@ def _run(cfg, resume, target, train_data, val_data, dist_info: Dist) -> DraftTra
         blob = load_checkpoint(ckpt, cfg)
         trainer.load_state_dict(blob["trainer"])
         trainer.log = RunLog(**blob["run"])
+    elif cfg.init_from:
+        warm_start_(trainer.drafter, cfg.init_from, target)
     world, dcfg = dist_info.world_size, trainer.draft_cfg
     trainer.say(
         f"train-draft: {'DFlash' if cfg.dflash else 'DSpark'} drafter, {trainer.num_trainable_params / 1e6:.2f}M "
@@ -956,6 +1008,7 @@ def _run(cfg, resume, target, train_data, val_data, dist_info: Dist) -> DraftTra
         f"{len(train_data)} train samples, {cfg.features} features, world {world}, "
         f"batch {cfg.batch_size} = {world}×{trainer.micro}×{trainer.accum}, "
         f"{'resuming at step ' + str(trainer.step) if resume else 'fresh start'} of {trainer.max_steps}"
+        + (f", weights from {cfg.init_from}" if cfg.init_from and not resume else "")
     )
     stopped_by = trainer.run()
     seqs = trainer.session_steps * cfg.batch_size
