@@ -24,6 +24,7 @@ from dspark.engine.runner import ModelRunner
 from dspark.engine.scheduler import PrefillChunk, Scheduler
 from dspark.models.drafter import DSparkDrafter
 from dspark.models.llama import LlamaTarget
+from dspark.models.packing import pack_for_inference
 from dspark.models.protocol import Target
 from dspark.models.target import MLATarget
 from dspark.profiling import scope
@@ -104,6 +105,9 @@ class Engine:
             target.fuse_for_inference()
         if self.drafter is not None:
             self.drafter.fuse_for_inference()
+        self.packed_weights = 0
+        if self.cfg.prepack_weights:
+            self.packed_weights = sum(pack_for_inference(m) for m in (target, self.drafter) if m is not None)
         tcfg = target.config
         self.max_model_len = self.cfg.max_model_len or min(tcfg.max_position_embeddings, 32768)
         self.tokenizer = tokenizer or ByteTokenizer(tcfg.vocab_size, tcfg.eos_token_ids, tcfg.bos_token_id)

@@ -17,13 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dspark.config import DraftConfig
 from dspark.models.heads import ConfidenceHead, MarkovHead
-from dspark.models.layers import RMSNorm, SwiGLU, attention_bias, no_empty_rows
+from dspark.models.layers import RMSNorm, SwiGLU, attention_bias, grouped_sdpa, no_empty_rows
 from dspark.models.mla import LatentStore, MLAttention
+from dspark.models.packing import Linear
 from dspark.models.protocol import PageFormat
 from dspark.models.rope import RotaryEmbedding, apply_rope
 from dspark.profiling import scope
@@ -41,10 +41,10 @@ class GQAttention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         D, hd = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(D, self.num_heads * hd, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(D, self.num_kv * hd, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(D, self.num_kv * hd, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * hd, D, bias=False)
+        self.q_proj = Linear(D, self.num_heads * hd, bias=cfg.attention_bias)
+        self.k_proj = Linear(D, self.num_kv * hd, bias=cfg.attention_bias)
+        self.v_proj = Linear(D, self.num_kv * hd, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.num_heads * hd, D, bias=False)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.interleave = cfg.rope.interleave
@@ -67,7 +67,7 @@ class GQAttention(nn.Module):
         k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, kvH, S, hd]
         if self.backend == "sdpa":
             bias = attention_bias(mask).to(q.dtype)  # [B, 1, T, S]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scale, enable_gqa=True)
+            out = grouped_sdpa(q, k, v, bias, self.scale)
         else:  # explicit: repeat the KV heads, fp32 scores and softmax
             rep = self.num_heads // self.num_kv
             k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
@@ -122,7 +122,7 @@ class DSparkDrafter(nn.Module):
     def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.context_proj = nn.Linear(cfg.num_taps * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.context_proj = Linear(cfg.num_taps * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.context_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

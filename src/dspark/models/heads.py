@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dspark.models.packing import Linear
+
 # pick(corrected_logits [B, V], slot k) -> tokens [B]
 Picker = Callable[[torch.Tensor, int], torch.Tensor]
 
@@ -32,11 +34,11 @@ class MarkovHead(nn.Module):
         self.head_type = head_type
         self.rank = rank
         self.markov_w1 = nn.Embedding(vocab_size, rank)
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.markov_w2 = Linear(rank, vocab_size, bias=False)
         if head_type == "gated":
-            self.gate_proj = nn.Linear(hidden_size + rank, rank)
+            self.gate_proj = Linear(hidden_size + rank, rank)
         elif head_type == "rnn":
-            self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
+            self.joint_proj = Linear(2 * rank + hidden_size, 3 * rank)
 
     def _mix(
         self, e: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None
@@ -105,7 +107,7 @@ class ConfidenceHead(nn.Module):
 
     def __init__(self, in_features: int) -> None:
         super().__init__()
-        self.proj = nn.Linear(in_features, 1)
+        self.proj = Linear(in_features, 1)
 
     def forward(self, hidden: torch.Tensor, prev_embeds: torch.Tensor | None) -> torch.Tensor:
         """hidden [.., D], prev_embeds [.., r] or None → fp32 logits [..]."""

@@ -23,6 +23,7 @@ from torch import nn
 
 from dspark.config import TargetConfig
 from dspark.models.layers import RMSNorm
+from dspark.models.packing import Linear
 from dspark.models.target import MoEGate
 
 
@@ -37,9 +38,9 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str, betas: tuple[float, float]) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
         self.act, self.betas = act, betas
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -63,9 +64,9 @@ class K3MoE(nn.Module):
             GatedMLP(D, cfg.moe_intermediate_size * cfg.n_shared_experts, act, betas) if cfg.n_shared_experts else None
         )
         if latent:
-            self.latent_down_proj = nn.Linear(D, latent, bias=False)
+            self.latent_down_proj = Linear(D, latent, bias=False)
             self.latent_norm = RMSNorm(latent, cfg.rms_norm_eps)
-            self.latent_up_proj = nn.Linear(latent, D, bias=False)
+            self.latent_up_proj = Linear(latent, D, bias=False)
         self.latent = latent
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,7 +90,7 @@ class ResMix(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.norm = RMSNorm(dim, eps)
-        self.proj = nn.Linear(dim, 1, bias=False)
+        self.proj = Linear(dim, 1, bias=False)
 
     def forward(self, values: list[torch.Tensor]) -> torch.Tensor:
         """values: J tensors [B, T, D] → Σ_j softmax_j(⟨RMSNorm(v_j), norm.weight ⊙ proj.weight⟩)·v_j [B, T, D]."""

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.config import KDAConfig
+from dspark.models.packing import Linear
 
 
 @dataclass(frozen=True)
@@ -175,21 +176,21 @@ class KimiDeltaAttention(nn.Module):
         self.layer_idx = layer_idx  # ordinal among the KDA layers (the state store's index)
         D, H, Dk, K = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.conv_kernel_size
         width = H * Dk
-        self.q_proj = nn.Linear(D, width, bias=False)
-        self.k_proj = nn.Linear(D, width, bias=False)
-        self.v_proj = nn.Linear(D, width, bias=False)
+        self.q_proj = Linear(D, width, bias=False)
+        self.k_proj = Linear(D, width, bias=False)
+        self.v_proj = Linear(D, width, bias=False)
         self.q_conv1d = nn.Conv1d(width, width, K, groups=width, bias=False)
         self.k_conv1d = nn.Conv1d(width, width, K, groups=width, bias=False)
         self.v_conv1d = nn.Conv1d(width, width, K, groups=width, bias=False)
-        self.f_a_proj = nn.Linear(D, Dk, bias=False)
-        self.f_b_proj = nn.Linear(Dk, width, bias=False)
+        self.f_a_proj = Linear(D, Dk, bias=False)
+        self.f_b_proj = Linear(Dk, width, bias=False)
         self.A_log = nn.Parameter(torch.zeros(1, 1, H, 1))
         self.dt_bias = nn.Parameter(torch.zeros(width))
-        self.b_proj = nn.Linear(D, H, bias=False)
-        self.g_a_proj = nn.Linear(D, Dk, bias=False)
-        self.g_b_proj = nn.Linear(Dk, width, bias=False)
+        self.b_proj = Linear(D, H, bias=False)
+        self.g_a_proj = Linear(D, Dk, bias=False)
+        self.g_b_proj = Linear(Dk, width, bias=False)
         self.o_norm = GatedHeadNorm(Dk, cfg.rms_norm_eps)
-        self.o_proj = nn.Linear(width, D, bias=False)
+        self.o_proj = Linear(width, D, bias=False)
 
     def empty_state(self, batch: int, device: torch.device) -> KDAState:
         cfg = self.cfg

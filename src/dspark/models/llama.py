@@ -12,32 +12,74 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dspark.config import GQATargetConfig
-from dspark.models.layers import DecoderTarget, RMSNorm, SwiGLU, attention_bias, causal_mask, no_empty_rows
+from dspark.models.layers import (
+    DecoderTarget,
+    RMSNorm,
+    SwiGLU,
+    attention_bias,
+    blocks_of,
+    causal_mask,
+    fuse_rows,
+    grouped_sdpa,
+    no_empty_rows,
+)
+from dspark.models.packing import Linear, Packable, PackedWeight, packed_linear
 from dspark.models.protocol import CacheView, PageFormat, StateSpec, TargetOutput, head_output
 from dspark.models.rope import apply_rope
 from dspark.profiling import scope
 
 
-class GQAttention(nn.Module):
-    """Grouped-query attention (H query heads share n_kv K/V heads); Qwen3 adds RMSNorm over q and k heads."""
+class GQAttention(nn.Module, Packable):
+    """Grouped-query attention (H query heads share n_kv K/V heads); Qwen3 adds RMSNorm over q and k heads.
+
+    Inference (``fuse()``, no grad) runs q/k/v as one GEMM over a fused weight and rotates q and k in one call;
+    training and unfused modules run the three projections (the same values: tested)."""
 
     def __init__(self, cfg: GQATargetConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         D, hd = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(D, self.num_heads * hd, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(D, self.num_kv * hd, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(D, self.num_kv * hd, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * hd, D, bias=cfg.o_bias)
+        self.q_proj = Linear(D, self.num_heads * hd, bias=cfg.qkv_bias)
+        self.k_proj = Linear(D, self.num_kv * hd, bias=cfg.qkv_bias)
+        self.v_proj = Linear(D, self.num_kv * hd, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.num_heads * hd, D, bias=cfg.o_bias)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = hd**-0.5
 
+    # ---- fused q|k|v for inference ----------------------------------------------------------------------
+    def fuse(self) -> None:
+        """Store q/k/v weights (and biases) as row blocks of one tensor; idempotent."""
+        if self._linked_qkv() is None:
+            self.__dict__["_qkv"] = fuse_rows((self.q_proj, self.k_proj, self.v_proj))
+
+    def _linked_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        fused = self.__dict__.get("_qkv")
+        if fused is None:
+            return None
+        (w, b), parts = fused, (self.q_proj, self.k_proj, self.v_proj)
+        if not blocks_of(w, tuple(p.weight for p in parts)):
+            return None
+        if b is not None and not blocks_of(b, tuple(p.bias for p in parts)):
+            return None
+        return fused
+
+    def pack(self) -> None:
+        fused = self._linked_qkv()
+        self.__dict__["_qkv_packed"] = None if fused is None else PackedWeight.of(fused[0])
+        if fused is not None:
+            for lin in (self.q_proj, self.k_proj, self.v_proj):
+                lin.__dict__["_packed"] = None
+
+    def packed_count(self) -> int:
+        fused, packed = self._linked_qkv(), self.__dict__.get("_qkv_packed")
+        return int(fused is not None and packed is not None and packed.matches(fused[0]))
+
+    # ---- projections ------------------------------------------------------------------------------------
     def kv_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, T, D] → page rows [B, T, 2·n_kv·hd] = [rope(k) | v]."""
         B, T, _ = x.shape
@@ -47,26 +89,40 @@ class GQAttention(nn.Module):
         k = apply_rope(k, cos[:, :, None], sin[:, :, None], interleave=False)
         return torch.cat((k.flatten(2), self.v_proj(x)), -1)
 
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, D] → (rope(q) [B, H, T, hd], page rows [B, T, 2·n_kv·hd])."""
+        B, T, _ = x.shape
+        H, n_kv, hd = self.num_heads, self.num_kv, self.head_dim
+        fused = None if torch.is_grad_enabled() else self._linked_qkv()
+        if fused is None:
+            rows = self.kv_rows(x, cos, sin)
+            q = self.q_proj(x).view(B, T, H, hd)
+            if self.q_norm is not None:
+                q = self.q_norm(q)
+            q = apply_rope(q, cos[:, :, None], sin[:, :, None], interleave=False)
+            return q.transpose(1, 2), rows
+        qkv = packed_linear(x, fused[0], fused[1], self.__dict__.get("_qkv_packed")).view(B, T, H + 2 * n_kv, hd)
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat((self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H : H + n_kv])), 2)
+        else:
+            qk = qkv[:, :, : H + n_kv]
+        qk = apply_rope(qk, cos[:, :, None], sin[:, :, None], interleave=False)  # q and k heads in one call
+        rows = torch.cat((qk[:, :, H:].flatten(2), qkv[:, :, H + n_kv :].flatten(2)), -1)
+        return qk[:, :, :H].transpose(1, 2), rows
+
     def forward(self, x, cos, sin, mask: torch.Tensor, cache: CacheView | None) -> torch.Tensor:
         """x [B, T, D]; cos/sin [B, T, hd/2]; mask [B, T, S] (or its attention_bias [B, 1, T, S]) over the keys
         the cache returns → [B, T, D]."""
         B, T, _ = x.shape
         with scope("attn.proj"):
-            rows = self.kv_rows(x, cos, sin)
+            q, rows = self.project(x, cos, sin)  # q [B, H, T, hd]
         with scope("cache"):
             kv = rows if cache is None else cache.update(self.layer_idx, rows)
-        with scope("attn.proj"):
-            q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-            if self.q_norm is not None:
-                q = self.q_norm(q)
-            q = apply_rope(q, cos[:, :, None], sin[:, :, None], interleave=False).transpose(1, 2)  # [B, H, T, hd]
         with scope("attn.core"):
             S = kv.shape[1]
             k, v = kv.to(q.dtype).view(B, S, 2, self.num_kv, self.head_dim).unbind(2)  # [B, S, n_kv, hd] each
             bias = attention_bias(mask).to(q.dtype)
-            out = F.scaled_dot_product_attention(
-                q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias, scale=self.scale, enable_gqa=True
-            )
+            out = grouped_sdpa(q, k.transpose(1, 2), v.transpose(1, 2), bias, self.scale)
             return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
@@ -105,10 +161,12 @@ class LlamaTarget(DecoderTarget):
         super().__init__(cfg, _Backbone(cfg), cfg.hidden_size, cfg.vocab_size, cfg.tie_word_embeddings, cfg.rope)
 
     def fuse_for_inference(self) -> None:
-        """Fused gate|up MLP weights for the inference path (see MLATarget.fuse_for_inference). Idempotent."""
+        """Fused gate|up MLP and q|k|v attention weights for inference (see MLATarget.fuse_for_inference).
+        Idempotent."""
         with torch.inference_mode(False), torch.no_grad():
             for layer in self.model.layers:
                 layer.mlp.fuse()
+                layer.self_attn.fuse()
 
     @property
     def page_format(self) -> PageFormat:

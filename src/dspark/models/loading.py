@@ -32,6 +32,7 @@ from dspark.models.hf_target import HFTarget
 from dspark.models.k3 import K3MoE
 from dspark.models.kimi_linear import HybridLayer, KimiLinearTarget, checkpoint_name
 from dspark.models.llama import LlamaTarget
+from dspark.models.packing import Linear
 from dspark.models.protocol import Target
 from dspark.models.target import MLATarget, MoE
 
@@ -263,11 +264,11 @@ def load_drafter(path: str | Path, target: nn.Module, dtype: str | torch.dtype =
     lm_head: nn.Module = target.lm_head
     own = path / "lm_head.safetensors"
     if own.exists():
-        lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         load_module_strict(lm_head, own, rename=lambda n: "lm_head." + n)
         lm_head.to(torch_dtype(dtype)).requires_grad_(False)
     elif "lm_head.weight" in list_checkpoint_tensors(path):
-        lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         load_module_strict(lm_head, path, rename=lambda n: "lm_head." + n, ignore_unexpected=("*",))
         lm_head.to(torch_dtype(dtype)).requires_grad_(False)
     model.attach(target.embed_tokens, lm_head)

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.config import MLAConfig
-from dspark.models.layers import RMSNorm, attention_bias
+from dspark.models.layers import RMSNorm, attention_bias, grouped_sdpa
+from dspark.models.packing import Linear
 from dspark.models.rope import apply_rope
 from dspark.profiling import scope
 
@@ -39,17 +40,17 @@ class MLAttention(nn.Module):
         self.backend = backend  # "torch" | "sdpa"
         H, D = cfg.num_heads, cfg.hidden_size
         if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(D, H * cfg.qk_head_dim, bias=False)
+            self.q_proj = Linear(D, H * cfg.qk_head_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(D, cfg.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_proj = Linear(D, cfg.q_lora_rank, bias=cfg.attention_bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * cfg.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(D, cfg.latent_dim, bias=cfg.attention_bias)
+            self.q_b_proj = Linear(cfg.q_lora_rank, H * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(D, cfg.latent_dim, bias=cfg.attention_bias)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         if cfg.use_output_gate:
-            self.g_proj = nn.Linear(D, H * cfg.v_head_dim, bias=False)
-        self.o_proj = nn.Linear(H * cfg.v_head_dim, D, bias=cfg.attention_bias)
+            self.g_proj = Linear(D, H * cfg.v_head_dim, bias=False)
+        self.o_proj = Linear(H * cfg.v_head_dim, D, bias=cfg.attention_bias)
         self.scale = cfg.softmax_scale
 
     # ---- projections -------------------------------------------------------------------------------
@@ -131,9 +132,7 @@ class MLAttention(nn.Module):
         if self.backend == "sdpa":  # MQA: H query heads over one 576-wide KV head, values = its first C
             kv1 = kv[:, None]  # [B, 1, S, C+R]
             bias = attention_bias(mask).to(q.dtype)
-            o_lat = F.scaled_dot_product_attention(
-                q, kv1, kv1[..., :C], attn_mask=bias, scale=self.scale, enable_gqa=True
-            )  # [B, H, T, C]
+            o_lat = grouped_sdpa(q, kv1, kv1[..., :C], bias, self.scale)  # [B, H, T, C]
         else:
             scores = latent_scores(q.reshape(B, H * T, -1), kv).mul_(self.scale).view(B, H, T, -1)  # fp32
             probs = (scores + attention_bias(mask)).softmax(-1).to(kv.dtype).view(B, H * T, -1)

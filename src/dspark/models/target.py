@@ -78,6 +78,8 @@ class MoE(nn.Module):
             stacked = self.stacked_experts()
             if stacked is None:
                 out = self._routed_loop(flat, idx, weights)
+            elif flat.dtype != torch.float32 and idx.numel() <= len(stacked):
+                out = gathered_experts(flat, idx, weights, *self._stacked)
             else:
                 out = grouped_experts(flat, idx, weights, stacked)
             if self.shared_experts is not None:
@@ -153,6 +155,21 @@ def grouped_experts(
             outs.append(F.linear(F.silu(g.contiguous()) * u, down))  # contiguous gate: see SwiGLU
     y = torch.cat(outs) * weights.reshape(-1)[order, None].to(flat.dtype)
     return torch.zeros_like(flat).index_add_(0, rows, y)
+
+
+def gathered_experts(
+    flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """Routed experts for a few tokens (decode: N·k pairs ≤ E): each (token, expert) pair's weights are gathered
+    from the stacks (gate_up [E, 2I, D], down [E, D, I]) and the pairs run as two batched GEMMs, with no host
+    read and no per-expert loop: ~14 tensor ops instead of ~6 per expert hit. For bf16/fp16 (fp32, the bit-exact
+    reference, keeps ``grouped_experts``); equal to it up to GEMM rounding (tested)."""
+    N, k = idx.shape
+    sel = idx.reshape(-1)
+    x = flat[:, None, :].expand(N, k, flat.shape[1]).reshape(N * k, 1, -1)
+    g, u = torch.bmm(x, gate_up.index_select(0, sel).transpose(1, 2)).chunk(2, dim=-1)
+    y = torch.bmm(F.silu(g) * u, down.index_select(0, sel).transpose(1, 2)).view(N, k, -1)
+    return (y * weights[..., None].to(y.dtype)).sum(1)
 
 
 class DecoderLayer(nn.Module):

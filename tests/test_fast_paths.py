@@ -1,0 +1,148 @@
+"""The inference fast paths (issue #14) against the reference paths they replace: oneDNN-packed linear weights,
+grouped-head attention folded into query rows, fused q|k|v projections, gathered MoE experts. bf16 fast paths
+must equal the reference (bit for bit where the same kernels do the arithmetic, else up to rounding); fp32 keeps
+the reference path; a stale pack is never used; engines give the same greedy tokens with and without packing."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dspark.config import EngineConfig, SpeculativeConfig
+from dspark.engine.engine import Engine
+from dspark.llm import LLM
+from dspark.models.layers import grouped_sdpa
+from dspark.models.llama import LlamaTarget
+from dspark.models.packing import Linear, PackedWeight, can_pack
+from dspark.models.target import gathered_experts, grouped_experts
+from dspark.models.tiny import build_tiny_gqa_pair, build_tiny_pair, tiny_gqa_config
+from dspark.sampling_params import SamplingParams
+
+needs_pack = pytest.mark.skipif(
+    not can_pack(torch.zeros(2, 2, dtype=torch.bfloat16)), reason="oneDNN cannot pack bf16 weights on this CPU"
+)
+
+
+@needs_pack
+def test_packed_linear_equals_f_linear_and_never_uses_a_stale_pack() -> None:
+    torch.manual_seed(0)
+    lin = Linear(48, 80, bias=True).to(torch.bfloat16)
+    keys = set(lin.state_dict())
+    x = torch.randn(3, 5, 48, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = F.linear(x, lin.weight, lin.bias)
+        lin.pack()
+        assert lin.packed_count() == 1 and set(lin.state_dict()) == keys  # the pack is not a parameter/buffer
+        # the same oneDNN arithmetic; the bias add may round differently (one bf16 ulp)
+        torch.testing.assert_close(lin(x), ref, rtol=1e-2, atol=1e-2)
+        for rows in (x[:1, :1], x[:, :1]):  # decode sizes
+            torch.testing.assert_close(lin(rows), F.linear(rows, lin.weight, lin.bias), rtol=1e-2, atol=1e-2)
+        nobias = Linear(48, 80, bias=False).to(torch.bfloat16)
+        nobias.pack()
+        assert torch.equal(nobias(x[:1, :1]), F.linear(x[:1, :1], nobias.weight))  # M = 1, no bias: bit for bit
+        lin.weight.mul_(2.0)  # an in-place change: the pack is stale and must not be used
+        assert lin.packed_count() == 0
+        assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+        lin.weight = torch.nn.Parameter(torch.randn(80, 48, dtype=torch.bfloat16))  # a new tensor: stale too
+        assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+    lin.pack()
+    y = lin(x)  # grad mode: the plain path, so gradients reach the weight
+    y.float().sum().backward()
+    assert lin.weight.grad is not None
+    assert PackedWeight.of(torch.zeros(4, 4)) is None  # fp32: nothing to pack (the reference path)
+
+
+@pytest.mark.parametrize("heads,n_kv", [(6, 2), (8, 1), (4, 4)])
+@pytest.mark.parametrize("T", [1, 5])
+def test_grouped_sdpa_equals_enable_gqa(heads: int, n_kv: int, T: int) -> None:
+    g = torch.Generator().manual_seed(heads * 10 + T)
+    B, S, d, dv = 2, 11, 16, 12
+    mask = torch.rand(B, 1, T, S, generator=g) < 0.7
+    mask[..., 0] = True
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k = torch.randn(B, heads, T, d, generator=g), torch.randn(B, n_kv, S, d, generator=g)
+        v = torch.randn(B, n_kv, S, dv, generator=g)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        bias = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, float("-inf"))
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=0.3, enable_gqa=n_kv != heads)
+        got = grouped_sdpa(q, k, v, bias, 0.3)
+        assert got.shape == (B, heads, T, dv)
+        if dtype == torch.float32:
+            assert torch.equal(got, ref)  # the reference path itself
+        else:  # folded query rows: the same attention up to bf16 rounding of the softmax
+            torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+            expanded = F.scaled_dot_product_attention(
+                q.float(), k.float().repeat_interleave(heads // n_kv, 1), v.float().repeat_interleave(heads // n_kv, 1),
+                attn_mask=bias.float(), scale=0.3,
+            )  # fmt: skip
+            torch.testing.assert_close(got.float(), expanded, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fused_qkv_equals_three_projections(family: str) -> None:
+    torch.manual_seed(1)
+    target = LlamaTarget(tiny_gqa_config(family)).eval()
+    ids = torch.randint(0, 96, (2, 9))
+    with torch.no_grad():
+        ref = target(ids, tap_layers=(0, 2)).logits
+        target.fuse_for_inference()
+        assert all(layer.self_attn._linked_qkv() is not None for layer in target.model.layers)
+        out = target(ids, tap_layers=(0, 2))
+    torch.testing.assert_close(out.logits, ref, rtol=1e-5, atol=1e-5)
+    # grad mode (training) still runs, through the separate projections, on the re-pointed parameters
+    target(ids).logits.sum().backward()
+    assert target.model.layers[0].self_attn.q_proj.weight.grad is not None
+
+
+def test_gathered_experts_equal_grouped_experts() -> None:
+    g = torch.Generator().manual_seed(3)
+    E, I, D = 6, 20, 16
+    for dtype in (torch.float32, torch.bfloat16):
+        gate_up, down = torch.randn(E, 2 * I, D, generator=g).to(dtype), torch.randn(E, D, I, generator=g).to(dtype)
+        for N, k in ((1, 2), (3, 2), (2, 3)):
+            flat = torch.randn(N, D, generator=g).to(dtype)
+            idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
+            w = torch.rand(N, k, generator=g)
+            ref = grouped_experts(flat, idx, w, list(zip(gate_up.unbind(0), down.unbind(0))))
+            got = gathered_experts(flat, idx, w, gate_up, down)
+            tol = 1e-5 if dtype == torch.float32 else 3e-2
+            torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol * float(ref.abs().max()))
+
+
+@needs_pack
+@pytest.mark.parametrize("family", ["mla", "gqa"])
+def test_engines_pack_bf16_weights_only_and_the_packed_model_computes_the_same_logits(family: str) -> None:
+    build = build_tiny_pair if family == "mla" else build_tiny_gqa_pair
+    ids = torch.tensor([[3, 7, 11, 2, 9, 5, 1, 4]])
+    spec = SpeculativeConfig(method="dspark", num_speculative_tokens=3)
+    logits = {}
+    for dtype, prepack in (("float32", True), ("bfloat16", False), ("bfloat16", True)):
+        target, drafter = build(0)  # the same weights each time
+        target, drafter = target.to(getattr(torch, dtype)), drafter.to(getattr(torch, dtype))
+        eng = Engine(target, drafter, spec, EngineConfig(dtype=dtype, max_num_seqs=4, prepack_weights=prepack))
+        assert (eng.packed_weights > 0) == (prepack and dtype == "bfloat16")  # fp32: the reference path, unpacked
+        with torch.inference_mode():
+            logits[dtype, prepack] = target(ids).logits
+        if prepack and dtype == "bfloat16":  # and the engine runs on it: greedy speculation == greedy decoding
+            params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+            ar = Engine(target, None, None, EngineConfig(dtype=dtype, max_num_seqs=4))
+            prompts = [[3, 7, 11, 2, 9], [5, 1, 4]]
+            spec_out = [o.token_ids for o in LLM.from_engine(eng).generate(prompts, params)]
+            ar_out = [o.token_ids for o in LLM.from_engine(ar).generate(prompts, params)]
+            assert len(spec_out[0]) == 10 and eng.metrics.spec.num_drafts > 0
+            assert spec_out == ar_out or _near_tie(target, prompts, ar_out, spec_out)
+    torch.testing.assert_close(logits["bfloat16", True], logits["bfloat16", False], rtol=0.05, atol=0.05)
+    scale = float(logits["float32", True].abs().max())  # bf16 vs the fp32 reference: within bf16 noise of the scale
+    torch.testing.assert_close(logits["bfloat16", True].float(), logits["float32", True], rtol=0, atol=0.03 * scale)
+
+
+def _near_tie(target, prompts, a, b) -> bool:
+    """Where two bf16 greedy runs part, the target's top two logits (fp32 recomputation) are within bf16 noise."""
+    for p, x, y in zip(prompts, a, b):
+        n = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), None)
+        if n is None:
+            continue
+        with torch.inference_mode():
+            top = target.float()(torch.tensor([p + x[:n]])).logits[0, -1].topk(2).values
+        if float(top[0] - top[1]) > 0.05 * float(top[0].abs()) + 0.05:
+            return False
+    return True
