@@ -10,10 +10,11 @@ import torch.nn.functional as F
 from dspark.config import EngineConfig, SpeculativeConfig
 from dspark.engine.engine import Engine
 from dspark.llm import LLM
-from dspark.models.layers import grouped_sdpa
+from dspark.models.layers import RMSNorm, grouped_sdpa
 from dspark.models.llama import LlamaTarget
 from dspark.models.packing import Linear, PackedWeight, can_pack
-from dspark.models.target import gathered_experts, grouped_experts
+from dspark.models.rope import apply_rope, apply_rope_half, half_rotation_tables
+from dspark.models.target import dense_experts, gathered_experts, grouped_experts, routed_experts
 from dspark.models.tiny import build_tiny_gqa_pair, build_tiny_pair, tiny_gqa_config
 from dspark.sampling_params import SamplingParams
 
@@ -93,19 +94,23 @@ def test_fused_qkv_equals_three_projections(family: str) -> None:
     assert target.model.layers[0].self_attn.q_proj.weight.grad is not None
 
 
-def test_gathered_experts_equal_grouped_experts() -> None:
+def test_gathered_and_dense_experts_equal_grouped_experts() -> None:
     g = torch.Generator().manual_seed(3)
     E, I, D = 6, 20, 16
     for dtype in (torch.float32, torch.bfloat16):
         gate_up, down = torch.randn(E, 2 * I, D, generator=g).to(dtype), torch.randn(E, D, I, generator=g).to(dtype)
-        for N, k in ((1, 2), (3, 2), (2, 3)):
+        for N, k in ((1, 2), (3, 2), (2, 3), (9, 2)):
             flat = torch.randn(N, D, generator=g).to(dtype)
             idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
             w = torch.rand(N, k, generator=g)
-            ref = grouped_experts(flat, idx, w, list(zip(gate_up.unbind(0), down.unbind(0))))
-            got = gathered_experts(flat, idx, w, gate_up, down)
+            views = list(zip(gate_up.unbind(0), down.unbind(0)))
+            ref = grouped_experts(flat, idx, w, views)
             tol = 1e-5 if dtype == torch.float32 else 3e-2
-            torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol * float(ref.abs().max()))
+            for fast in (gathered_experts, dense_experts):
+                got = fast(flat, idx, w, gate_up, down)
+                torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol * float(ref.abs().max()))
+            if dtype == torch.float32:  # the reference dtype always takes the grouped pass, bit for bit
+                assert torch.equal(routed_experts(flat, idx, w, (gate_up, down), views), ref)
 
 
 @needs_pack
@@ -146,3 +151,29 @@ def _near_tie(target, prompts, a, b) -> bool:
         if float(top[0] - top[1]) > 0.05 * float(top[0].abs()) + 0.05:
             return False
     return True
+
+
+def test_inference_rms_norm_on_bf16_and_fp16_equals_the_fp32_cast_path() -> None:
+    g = torch.Generator().manual_seed(5)
+    for i in range(40):
+        dim = (64, 576, 48, 256)[i % 4]
+        norm = RMSNorm(dim, 1e-6)
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5, generator=g)
+        dtype = (torch.bfloat16, torch.float16)[i % 2]
+        norm = norm.to(dtype)
+        x = (torch.randn(3, 5, dim, generator=g) * (0.01 + i)).to(dtype)
+        with torch.no_grad():
+            fast = norm(x)
+        ref = norm.weight * torch.nn.functional.rms_norm(x.float(), (dim,), eps=1e-6).to(dtype)
+        assert torch.equal(fast, ref.detach())
+
+
+def test_half_rotation_tables_rotate_bit_for_bit_like_apply_rope() -> None:
+    g = torch.Generator().manual_seed(9)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(2, 5, 7, 16, generator=g).to(dtype)
+        angles = torch.rand(2, 5, 8, generator=g) * 40
+        cos, sin = angles.cos(), angles.sin()
+        ref = apply_rope(x, cos[:, :, None], sin[:, :, None], interleave=False)
+        assert torch.equal(apply_rope_half(x, *half_rotation_tables(cos, sin)), ref)

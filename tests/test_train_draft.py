@@ -22,9 +22,9 @@ from dspark.train.trainer import (
     DraftTrainConfig,
     DraftTrainer,
     draft_config_for,
+    shutdown_distributed,
     spread_taps,
     step_samples,
-    shutdown_distributed,
     train_draft,
     warm_start_,
 )

@@ -23,10 +23,9 @@ from dspark.engine.request import Request, Status
 from dspark.engine.runner import ModelRunner
 from dspark.engine.scheduler import PrefillChunk, Scheduler
 from dspark.models.drafter import DSparkDrafter
-from dspark.models.llama import LlamaTarget
+from dspark.models.layers import DecoderTarget
 from dspark.models.packing import pack_for_inference
 from dspark.models.protocol import Target
-from dspark.models.target import MLATarget
 from dspark.profiling import scope
 from dspark.sampling_params import SamplingParams
 from dspark.spec.accept import accept, sample_next
@@ -101,7 +100,7 @@ class Engine:
             raise ConfigError(f"speculative config: method '{self.spec.method}' needs a drafter ('model' key)")
         self.target = target
         self.drafter = drafter if self.spec is not None and self.spec.method != "ngram" else None
-        if isinstance(target, (MLATarget, LlamaTarget)):
+        if isinstance(target, DecoderTarget):  # our native families (HF fallback models have their own layout)
             target.fuse_for_inference()
         if self.drafter is not None:
             self.drafter.fuse_for_inference()

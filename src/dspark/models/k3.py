@@ -22,9 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.config import TargetConfig
-from dspark.models.layers import RMSNorm
+from dspark.models.layers import RMSNorm, SwiGLU
 from dspark.models.packing import Linear
-from dspark.models.target import MoEGate
+from dspark.models.target import MoE, routed_experts
+from dspark.profiling import scope
 
 
 def situ(gate: torch.Tensor, up: torch.Tensor, betas: tuple[float, float] = (4.0, 25.0)) -> torch.Tensor:
@@ -33,36 +34,25 @@ def situ(gate: torch.Tensor, up: torch.Tensor, betas: tuple[float, float] = (4.0
     return bg * torch.tanh(gate / bg) * torch.sigmoid(gate) * (bu * torch.tanh(up / bu))
 
 
-class GatedMLP(nn.Module):
-    """down_proj(act(gate_proj(x), up_proj(x))) with act = SwiGLU's silu(g)·u or SiTU."""
+class GatedMLP(SwiGLU):
+    """down_proj(act(gate_proj(x), up_proj(x))) with act = SwiGLU's silu(g)·u or SiTU; SwiGLU's fused inference
+    path (one gate|up GEMM, packed weights) with this activation."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str, betas: tuple[float, float]) -> None:
-        super().__init__()
-        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        super().__init__(hidden_size, intermediate_size)
         self.act, self.betas = act, betas
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g, u = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(situ(g, u, self.betas) if self.act == "situ" else F.silu(g) * u)
+    def activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return situ(gate, up, self.betas) if self.act == "situ" else F.silu(gate) * up
 
 
-class K3MoE(nn.Module):
-    """Routed experts (optionally in a latent space) + shared experts; the router is the MLA target's MoEGate."""
+class K3MoE(MoE):
+    """Routed experts (optionally in a latent space) + shared experts; the router is the MLA target's MoEGate.
+    Inference runs the routed experts through the MLA target's stacked paths (``routed_experts``)."""
 
     def __init__(self, cfg: TargetConfig, act: str, betas: tuple[float, float], latent: int | None) -> None:
-        super().__init__()
-        assert cfg.n_routed_experts is not None
+        super().__init__(cfg, lambda width, inter: GatedMLP(width, inter, act, betas), width=latent)
         D = cfg.hidden_size
-        width = latent or D
-        self.gate = MoEGate(cfg)
-        self.experts = nn.ModuleList(
-            GatedMLP(width, cfg.moe_intermediate_size, act, betas) for _ in range(cfg.n_routed_experts)
-        )
-        self.shared_experts = (
-            GatedMLP(D, cfg.moe_intermediate_size * cfg.n_shared_experts, act, betas) if cfg.n_shared_experts else None
-        )
         if latent:
             self.latent_down_proj = Linear(D, latent, bias=False)
             self.latent_norm = RMSNorm(latent, cfg.rms_norm_eps)
@@ -72,15 +62,18 @@ class K3MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, D] → [B, T, D]."""
         flat = x.reshape(-1, x.shape[-1])
-        idx, weights = self.gate(flat)  # [N, k]
-        inp = self.latent_down_proj(flat) if self.latent else flat
-        routed = torch.zeros_like(inp)
-        for e in idx.unique().tolist():
-            rows, slot = (idx == e).nonzero(as_tuple=True)
-            routed.index_add_(0, rows, self.experts[e](inp[rows]) * weights[rows, slot, None].to(inp.dtype))
-        out = self.latent_up_proj(self.latent_norm(routed)) if self.latent else routed
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(flat)
+        with scope("moe.route"):
+            idx, weights = self.gate(flat)  # [N, k]
+        with scope("moe.experts"):
+            inp = self.latent_down_proj(flat) if self.latent else flat
+            stacked = self.stacked_experts()
+            if stacked is None:
+                routed = self._routed_loop(inp, idx, weights)
+            else:
+                routed = routed_experts(inp, idx, weights, self._stacked, stacked, self.experts[0].activate)
+            out = self.latent_up_proj(self.latent_norm(routed)) if self.latent else routed
+            if self.shared_experts is not None:
+                out = out + self.shared_experts(flat)
         return out.view_as(x)
 
 

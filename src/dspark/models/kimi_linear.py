@@ -10,6 +10,7 @@ for ``KimiLinearForCausalLM`` (Moonshot's layout: ``block_sparse_moe``, experts 
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Sequence
 
@@ -23,6 +24,9 @@ from dspark.models.layers import DecoderTarget, RMSNorm, SwiGLU, causal_mask, no
 from dspark.models.mla import LatentStore, MLAttention
 from dspark.models.protocol import PageFormat, StateSpec, head_output
 from dspark.models.target import MoE, TargetOutput
+from dspark.profiling import scope
+
+_NO_SCOPE = contextlib.nullcontext()
 
 _EXPERT_NAMES = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
 _RES_MIX = re.compile(r"(self_attention_res|mlp_res|output_attn_res)\.(norm|proj)\.")
@@ -71,11 +75,22 @@ class HybridLayer(nn.Module):
 
     def forward(self, stream: ResidualStream, cos, sin, mask, store, states, lengths, absorbed: bool) -> None:
         """Advance ``stream`` (residual or AttnRes) by this layer's attention and FFN outputs."""
-        stream.enter_layer(self.layer_idx)
-        x = stream.input(self.self_attention_res)
-        stream.add(self.attend(self.input_layernorm(x), cos, sin, mask, store, states, lengths, absorbed))
-        x = stream.input(self.mlp_res)
-        stream.add(self.mlp(self.post_attention_layernorm(x)))
+        with scope("attnres"):
+            stream.enter_layer(self.layer_idx)
+            x = stream.input(self.self_attention_res)
+        with scope("norm"):
+            x = self.input_layernorm(x)
+        with scope("kda") if self.is_kda else _NO_SCOPE:  # MLA layers scope their own pieces (attn.proj, ...)
+            a = self.attend(x, cos, sin, mask, store, states, lengths, absorbed)
+        with scope("attnres"):
+            stream.add(a)
+            x = stream.input(self.mlp_res)
+        with scope("norm"):
+            x = self.post_attention_layernorm(x)
+        with scope("moe" if isinstance(self.mlp, (MoE, K3MoE)) else "mlp"):
+            y = self.mlp(x)
+        with scope("attnres"):
+            stream.add(y)
 
 
 class _Backbone(nn.Module):
@@ -152,9 +167,10 @@ class KimiLinearTarget(DecoderTarget):
         B, T = input_ids.shape
         if positions is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
-        mask = no_empty_rows(causal_mask(positions, positions) if mask is None else mask)
-        cos, sin = self.rotary.cos_sin(positions)
-        h = self.model.embed_tokens(input_ids)
+        with scope("embed"):
+            mask = no_empty_rows(causal_mask(positions, positions) if mask is None else mask)
+            cos, sin = self.rotary.cos_sin(positions)
+            h = self.model.embed_tokens(input_ids)
         wanted = set(tap_layers)
         taps = [h] if -1 in wanted else []
         stream = self.model.stream(h)
@@ -162,5 +178,6 @@ class KimiLinearTarget(DecoderTarget):
             layer(stream, cos, sin, mask, store, states, lengths, absorbed)
             if i in wanted:
                 taps.append(stream.tap(tap_stream or self.config.tap_streams[0]))
-        h = self.model.norm(stream.output(self.model.output_attn_res))
-        return head_output(h, taps, logits_rows, self.compute_logits if compute_logits else None)
+        with scope("lm_head"):
+            h = self.model.norm(stream.output(self.model.output_attn_res))
+            return head_output(h, taps, logits_rows, self.compute_logits if compute_logits else None)

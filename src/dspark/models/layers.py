@@ -20,7 +20,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # one fused kernel; the same fp32 arithmetic as x * rsqrt(mean(x²) + eps) (bitwise, tested)
+        # one fused kernel; the same fp32 arithmetic as x * rsqrt(mean(x²) + eps) (bitwise, tested). Inference
+        # hands it bf16/fp16 directly: it computes in fp32 and rounds once, as the cast-compute-cast path does
+        # (bitwise, tested), in one op instead of three; training keeps the explicit casts (autocast-stable)
+        if not torch.is_grad_enabled():
+            return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
@@ -36,11 +40,15 @@ class SwiGLU(nn.Module, Packable):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.fused_gate_up()
         if gate_up is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self.activate(self.gate_proj(x), self.up_proj(x)))
         packed = self.__dict__.get("_gate_up_packed")
         gate, up = packed_linear(x, gate_up, self.__dict__.get("_gate_up_bias"), packed).chunk(2, dim=-1)  # one GEMM
-        # silu on a contiguous gate: the vectorised kernel, bit-identical to the unfused path
-        return self.down_proj(F.silu(gate.contiguous()) * up)
+        # the gate made contiguous: the vectorised kernels, bit-identical to the unfused path
+        return self.down_proj(self.activate(gate.contiguous(), up))
+
+    def activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The gated activation: silu(gate)·up (subclasses: SiTU)."""
+        return F.silu(gate) * up
 
     def fuse(self, gate_up: torch.Tensor | None = None) -> None:
         """Store gate_proj and up_proj weights in one [2I, D] tensor (``gate_up``, or a new one) and make the two
@@ -185,6 +193,14 @@ class DecoderTarget(nn.Module):
     @property
     def embed_tokens(self) -> nn.Embedding:
         return self.model.embed_tokens
+
+    def fuse_for_inference(self) -> None:
+        """Fused weights for the inference path: every layer's FFN (SwiGLU gate|up, stacked experts) by default;
+        families add their own (Llama: q|k|v). Parameters become views (names, values and the training path
+        unchanged). Idempotent."""
+        with torch.inference_mode(False), torch.no_grad():
+            for layer in self.model.layers:
+                layer.mlp.fuse()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Post-norm hidden [..., D] → fp32 logits [..., V]."""

@@ -28,7 +28,7 @@ from dspark.models.layers import (
 )
 from dspark.models.packing import Linear, Packable, PackedWeight, packed_linear
 from dspark.models.protocol import CacheView, PageFormat, StateSpec, TargetOutput, head_output
-from dspark.models.rope import apply_rope
+from dspark.models.rope import apply_rope_half, half_rotation_tables
 from dspark.profiling import scope
 
 
@@ -80,42 +80,43 @@ class GQAttention(nn.Module, Packable):
         return int(fused is not None and packed is not None and packed.matches(fused[0]))
 
     # ---- projections ------------------------------------------------------------------------------------
-    def kv_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [B, T, D] → page rows [B, T, 2·n_kv·hd] = [rope(k) | v]."""
+    def kv_rows(self, x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D]; rotation tables [B, T, 1, hd] (``half_rotation_tables``) → page rows [B, T, 2·n_kv·hd]
+        = [rope(k) | v]."""
         B, T, _ = x.shape
         k = self.k_proj(x).view(B, T, self.num_kv, self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
-        k = apply_rope(k, cos[:, :, None], sin[:, :, None], interleave=False)
+        k = apply_rope_half(k, cos2, sin2)
         return torch.cat((k.flatten(2), self.v_proj(x)), -1)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [B, T, D] → (rope(q) [B, H, T, hd], page rows [B, T, 2·n_kv·hd])."""
+    def project(self, x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, D]; rotation tables [B, T, 1, hd] → (rope(q) [B, H, T, hd], page rows [B, T, 2·n_kv·hd])."""
         B, T, _ = x.shape
         H, n_kv, hd = self.num_heads, self.num_kv, self.head_dim
         fused = None if torch.is_grad_enabled() else self._linked_qkv()
         if fused is None:
-            rows = self.kv_rows(x, cos, sin)
+            rows = self.kv_rows(x, cos2, sin2)
             q = self.q_proj(x).view(B, T, H, hd)
             if self.q_norm is not None:
                 q = self.q_norm(q)
-            q = apply_rope(q, cos[:, :, None], sin[:, :, None], interleave=False)
+            q = apply_rope_half(q, cos2, sin2)
             return q.transpose(1, 2), rows
         qkv = packed_linear(x, fused[0], fused[1], self.__dict__.get("_qkv_packed")).view(B, T, H + 2 * n_kv, hd)
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H : H + n_kv])), 2)
         else:
             qk = qkv[:, :, : H + n_kv]
-        qk = apply_rope(qk, cos[:, :, None], sin[:, :, None], interleave=False)  # q and k heads in one call
+        qk = apply_rope_half(qk, cos2, sin2)  # q and k heads in one call
         rows = torch.cat((qk[:, :, H:].flatten(2), qkv[:, :, H + n_kv :].flatten(2)), -1)
         return qk[:, :, :H].transpose(1, 2), rows
 
-    def forward(self, x, cos, sin, mask: torch.Tensor, cache: CacheView | None) -> torch.Tensor:
-        """x [B, T, D]; cos/sin [B, T, hd/2]; mask [B, T, S] (or its attention_bias [B, 1, T, S]) over the keys
-        the cache returns → [B, T, D]."""
+    def forward(self, x, cos2, sin2, mask: torch.Tensor, cache: CacheView | None) -> torch.Tensor:
+        """x [B, T, D]; rotation tables [B, T, 1, hd] (``half_rotation_tables``); mask [B, T, S] (or its
+        attention_bias [B, 1, T, S]) over the keys the cache returns → [B, T, D]."""
         B, T, _ = x.shape
         with scope("attn.proj"):
-            q, rows = self.project(x, cos, sin)  # q [B, H, T, hd]
+            q, rows = self.project(x, cos2, sin2)  # q [B, H, T, hd]
         with scope("cache"):
             kv = rows if cache is None else cache.update(self.layer_idx, rows)
         with scope("attn.core"):
@@ -134,10 +135,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)  # Llama's MLP
 
-    def forward(self, h, cos, sin, mask, cache: CacheView | None) -> torch.Tensor:
+    def forward(self, h, cos2, sin2, mask, cache: CacheView | None) -> torch.Tensor:
         with scope("norm"):
             x = self.input_layernorm(h)
-        h = h + self.self_attn(x, cos, sin, mask, cache)
+        h = h + self.self_attn(x, cos2, sin2, mask, cache)
         with scope("norm"):
             x = self.post_attention_layernorm(h)
         with scope("mlp"):
@@ -161,11 +162,10 @@ class LlamaTarget(DecoderTarget):
         super().__init__(cfg, _Backbone(cfg), cfg.hidden_size, cfg.vocab_size, cfg.tie_word_embeddings, cfg.rope)
 
     def fuse_for_inference(self) -> None:
-        """Fused gate|up MLP and q|k|v attention weights for inference (see MLATarget.fuse_for_inference).
-        Idempotent."""
+        """Fused gate|up MLP and q|k|v attention weights for inference (see DecoderTarget). Idempotent."""
+        super().fuse_for_inference()
         with torch.inference_mode(False), torch.no_grad():
             for layer in self.model.layers:
-                layer.mlp.fuse()
                 layer.self_attn.fuse()
 
     @property
@@ -197,12 +197,12 @@ class LlamaTarget(DecoderTarget):
         with scope("embed"):
             mask = no_empty_rows(causal_mask(positions, positions) if mask is None else mask)
             mask = attention_bias(mask).to(self.model.embed_tokens.weight.dtype)  # once for every layer
-            cos, sin = self.rotary.cos_sin(positions)
+            cos2, sin2 = half_rotation_tables(*self.rotary.cos_sin(positions))  # once for every layer
             h = self.model.embed_tokens(input_ids)
         wanted = set(tap_layers)
         taps = [h] if -1 in wanted else []
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, mask, cache)
+            h = layer(h, cos2, sin2, mask, cache)
             if i in wanted:
                 taps.append(h)
         with scope("lm_head"):

@@ -106,3 +106,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
         x1, x2 = xf[..., :half], xf[..., half:]
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.to(dtype)
+
+
+def half_rotation_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [B, T, R/2] → full-width tables [B, T, 1, R] for ``apply_rope_half``: (cos | cos) and (−sin | sin),
+    built once per forward and shared by every layer and head."""
+    return torch.cat((cos, cos), -1)[:, :, None], torch.cat((-sin, sin), -1)[:, :, None]
+
+
+def apply_rope_half(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
+    """``apply_rope(x, cos, sin, interleave=False)`` for x [B, T, heads, R] with the tables of
+    ``half_rotation_tables``: x·(cos|cos) + (x2|x1)·(−sin|sin), in fewer ops and bit for bit the same values
+    (x1·cos + x2·(−sin) is x1·cos − x2·sin exactly in IEEE arithmetic; tested)."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    return (xf * cos2 + torch.cat((xf[..., half:], xf[..., :half]), -1) * sin2).to(x.dtype)
