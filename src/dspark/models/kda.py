@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.config import KDAConfig
-from dspark.models.packing import Linear
+from dspark.models.layers import blocks_of, fuse_rows
+from dspark.models.packing import Linear, Packable, PackedWeight, packed_linear, version_of
 
 
 @dataclass(frozen=True)
@@ -167,8 +168,12 @@ class GatedHeadNorm(nn.Module):
         return (xf * torch.sigmoid(gate.float())).to(x.dtype)
 
 
-class KimiDeltaAttention(nn.Module):
-    """A KDA layer. Parameter names are the Kimi Linear checkpoint names (``q_conv1d``, ``A_log``, ``dt_bias``…)."""
+class KimiDeltaAttention(nn.Module, Packable):
+    """A KDA layer. Parameter names are the Kimi Linear checkpoint names (``q_conv1d``, ``A_log``, ``dt_bias``…).
+
+    Inference in bf16/fp16 (``fuse()``, no grad) runs the six projections of x (q, k, v, f_a, g_a, b) as one GEMM
+    over a fused weight; fp32, training and unfused modules run them one by one. The conv kernels are kept
+    stacked outside grad mode."""
 
     def __init__(self, cfg: KDAConfig, layer_idx: int) -> None:
         super().__init__()
@@ -199,10 +204,59 @@ class KimiDeltaAttention(nn.Module):
         rec = torch.zeros(batch, cfg.num_heads, cfg.head_dim, cfg.head_dim, dtype=torch.float32, device=device)
         return KDAState(conv, rec)
 
-    def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, T, D] → log-decay g [B, T, H, Dk] (fp32, ≤ 0)."""
+    # ---- fused input projections for inference ------------------------------------------------------------
+    def _inputs(self) -> tuple[Linear, ...]:
+        return (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj, self.b_proj)
+
+    def fuse(self) -> None:
+        """Store the six input projections' weights as row blocks of one tensor; idempotent."""
+        if self._linked_inputs() is None:
+            self.__dict__["_fused_inputs"] = fuse_rows(self._inputs())[0]
+
+    def _linked_inputs(self) -> torch.Tensor | None:
+        w = self.__dict__.get("_fused_inputs")
+        return w if blocks_of(w, tuple(lin.weight for lin in self._inputs())) else None
+
+    def pack(self) -> None:
+        w = self._linked_inputs()
+        self.__dict__["_inputs_packed"] = None if w is None else PackedWeight.of(w)
+        if w is not None:
+            for lin in self._inputs():
+                lin.__dict__["_packed"] = None
+
+    def packed_count(self) -> int:
+        w, packed = self._linked_inputs(), self.__dict__.get("_inputs_packed")
+        return int(w is not None and packed is not None and packed.matches(w))
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, D] → (q|k|v pre-conv [B, T, 3W], f_a [B, T, Dk], g_a [B, T, Dk], b [B, T, H])."""
+        # fp32 (the bit-exact reference) keeps six GEMMs: one wider GEMM rounds a few outputs differently
+        w = None if torch.is_grad_enabled() or x.dtype == torch.float32 else self._linked_inputs()
+        if w is None:
+            z = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), -1)
+            return z, self.f_a_proj(x), self.g_a_proj(x), self.b_proj(x)
+        W, Dk, H = self.cfg.num_heads * self.cfg.head_dim, self.cfg.head_dim, self.cfg.num_heads
+        out = packed_linear(x, w, None, self.__dict__.get("_inputs_packed"))
+        z, fa, ga, b = out.split([3 * W, Dk, Dk, H], -1)
+        return z, fa, ga, b
+
+    def conv_weight(self) -> torch.Tensor:
+        """The q, k, v depthwise kernels stacked [3W, 1, K] (cached outside grad mode until a kernel changes)."""
+        parts = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
+        if torch.is_grad_enabled():
+            return torch.cat(parts, 0)
+        key = tuple((p.data_ptr(), version_of(p), p.dtype) for p in parts)
+        cached = self.__dict__.get("_conv_weight")
+        if cached is None or cached[0] != key:
+            cached = (key, torch.cat(parts, 0))
+            self.__dict__["_conv_weight"] = cached
+        return cached[1]
+
+    def forget_gate(self, x: torch.Tensor, fa: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, D] (or its f_a projection ``fa``) → log-decay g [B, T, H, Dk] (fp32, ≤ 0)."""
         B, T, _ = x.shape
-        raw = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(B, T, self.cfg.num_heads, -1)
+        fa = self.f_a_proj(x) if fa is None else fa
+        raw = (self.f_b_proj(fa).float() + self.dt_bias.float()).view(B, T, self.cfg.num_heads, -1)
         rate = self.A_log.float().exp()  # [1, 1, H, 1]
         if self.cfg.gate_lower_bound is None:  # Kimi Linear: g = −e^{A}·softplus(raw)
             return -rate * F.softplus(raw)
@@ -213,7 +267,7 @@ class KimiDeltaAttention(nn.Module):
         row's last valid row [B, K-1, 3W], and the windows [B, T+K-1, 3W] (rows t+1..t+K-1 = tail after row t)."""
         K = self.cfg.conv_kernel_size
         window = torch.cat((tail.to(z.dtype), z), 1)  # [B, K-1+T, 3W]
-        weight = torch.cat((self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight), 0)  # [3W, 1, K]
+        weight = self.conv_weight()  # [3W, 1, K]
         out = F.conv1d(window.transpose(1, 2), weight, groups=weight.shape[0]).transpose(1, 2)  # [B, T, 3W]
         idx = lengths[:, None] + torch.arange(K - 1, device=z.device)  # rows len..len+K-2 of the window
         new_tail = window.gather(1, idx[..., None].expand(-1, -1, window.shape[-1]))
@@ -229,12 +283,12 @@ class KimiDeltaAttention(nn.Module):
         lengths = torch.full((B,), T, dtype=torch.long, device=x.device) if lengths is None else lengths
         flat = store.read(self.layer_idx) if store is not None else None
         prev = self.empty_state(B, x.device) if flat is None else KDAState.unpack(flat, cfg, x.dtype)
-        z = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), -1)
+        z, fa, ga, b = self.project(x)
         mixed, tail, window = self.short_conv(z, prev.conv, lengths)
         q, k, v = (t.reshape(B, T, H, Dk).transpose(1, 2).float() for t in mixed.split(H * Dk, -1))
         valid = (torch.arange(T, device=x.device)[None, :] < lengths[:, None]).float()  # [B, T]
-        g = (self.forget_gate(x) * valid[:, :, None, None]).transpose(1, 2)  # [B, H, T, Dk]
-        beta = (torch.sigmoid(self.b_proj(x).float()) * valid[..., None]).transpose(1, 2)  # [B, H, T]
+        g = (self.forget_gate(x, fa) * valid[:, :, None, None]).transpose(1, 2)  # [B, H, T, Dk]
+        beta = (torch.sigmoid(b.float()) * valid[..., None]).transpose(1, 2)  # [B, H, T]
         q = l2_normalize(q) * Dk**-0.5
         k = l2_normalize(k)
         keep = store is not None and store.keep_per_row
@@ -250,6 +304,6 @@ class KimiDeltaAttention(nn.Module):
                 tails = window.unfold(1, K1, 1)[:, 1:].transpose(-1, -2) if K1 else window[:, :0]
                 rows = KDAState(tails, per_row.transpose(1, 2)).pack()  # [B, T, numel]
             store.write(self.layer_idx, KDAState(tail, final).pack(), rows)
-        gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, H, Dk)
+        gate = self.g_b_proj(ga).view(B, T, H, Dk)
         out = self.o_norm(o.transpose(1, 2).to(x.dtype), gate)
         return self.o_proj(out.reshape(B, T, H * Dk))

@@ -35,8 +35,9 @@ from dspark.profiling import scope
 class GQAttention(nn.Module, Packable):
     """Grouped-query attention (H query heads share n_kv K/V heads); Qwen3 adds RMSNorm over q and k heads.
 
-    Inference (``fuse()``, no grad) runs q/k/v as one GEMM over a fused weight and rotates q and k in one call;
-    training and unfused modules run the three projections (the same values: tested)."""
+    Inference in bf16/fp16 (``fuse()``, no grad) runs q/k/v as one GEMM over a fused weight and rotates q and k in
+    one call; fp32, training and unfused modules run the three projections (the same values up to rounding:
+    tested)."""
 
     def __init__(self, cfg: GQATargetConfig, layer_idx: int) -> None:
         super().__init__()
@@ -94,7 +95,8 @@ class GQAttention(nn.Module, Packable):
         """x [B, T, D]; rotation tables [B, T, 1, hd] → (rope(q) [B, H, T, hd], page rows [B, T, 2·n_kv·hd])."""
         B, T, _ = x.shape
         H, n_kv, hd = self.num_heads, self.num_kv, self.head_dim
-        fused = None if torch.is_grad_enabled() else self._linked_qkv()
+        # fp32 (the bit-exact reference) keeps three GEMMs: one wider GEMM may round a few outputs differently
+        fused = None if torch.is_grad_enabled() or x.dtype == torch.float32 else self._linked_qkv()
         if fused is None:
             rows = self.kv_rows(x, cos2, sin2)
             q = self.q_proj(x).view(B, T, H, hd)

@@ -19,7 +19,7 @@ from torch import nn
 
 from dspark.config import MLAConfig
 from dspark.models.layers import RMSNorm, attention_bias, grouped_sdpa
-from dspark.models.packing import Linear
+from dspark.models.packing import Linear, version_of
 from dspark.models.rope import apply_rope
 from dspark.profiling import scope
 
@@ -89,7 +89,7 @@ class MLAttention(nn.Module):
             w_uk, w_uv = self._w_uk_uv()
             return w_uk, w_uv.transpose(1, 2)
         w = self.kv_b_proj.weight
-        key = (w.data_ptr(), w.dtype, _version(w))
+        key = (w.data_ptr(), w.dtype, version_of(w))
         cached = self.__dict__.get("_absorbed_cache")
         if cached is None or cached[0] != key:
             w_uk, w_uv = self._w_uk_uv()
@@ -183,11 +183,3 @@ def latent_scores(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         return torch.matmul(q, kv.transpose(1, 2))
     scores_t = torch.matmul(kv, q.transpose(1, 2).contiguous())  # [B, S, M]
     return scores_t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
-
-
-def _version(t: torch.Tensor) -> int:
-    """In-place modification counter (inference tensors have none and cannot change outside inference mode)."""
-    try:
-        return t._version
-    except RuntimeError:
-        return -1

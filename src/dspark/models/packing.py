@@ -24,6 +24,14 @@ from torch import nn
 PACK_ROWS_HINT = 8  # the row count oneDNN lays the weight out for: an 8-token verify; fastest from M=1 to 64 here
 
 
+def version_of(t: torch.Tensor) -> int:
+    """In-place modification counter (inference tensors have none and cannot change outside inference mode)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
 def can_pack(weight: torch.Tensor) -> bool:
     """oneDNN packs bf16 CPU weights on machines with bf16 support (fp32, the bit-exact reference, stays as is)."""
     return (
@@ -43,10 +51,10 @@ class PackedWeight:
     def __init__(self, weight: torch.Tensor) -> None:
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
-        self.ptr, self.version = weight.data_ptr(), weight._version
+        self.ptr, self.version = weight.data_ptr(), version_of(weight)
 
     def matches(self, weight: torch.Tensor) -> bool:
-        return weight.data_ptr() == self.ptr and weight._version == self.version
+        return weight.data_ptr() == self.ptr and version_of(weight) == self.version
 
     @classmethod
     def of(cls, weight: torch.Tensor) -> PackedWeight | None:
