@@ -17,7 +17,7 @@ from dspark.models.layers import RMSNorm, grouped_sdpa
 from dspark.models.llama import LlamaTarget
 from dspark.models.packing import Linear, PackedWeight, can_pack
 from dspark.models.rope import apply_rope, apply_rope_half, half_rotation_tables
-from dspark.models.target import dense_experts, gathered_experts, grouped_experts, routed_experts
+from dspark.models.target import MoE, dense_experts, gathered_experts, grouped_experts, routed_experts
 from dspark.models.tiny import build_tiny_gqa_pair, build_tiny_hybrid_pair, build_tiny_pair, tiny_gqa_config
 from dspark.sampling_params import SamplingParams
 
@@ -132,6 +132,8 @@ def test_engines_pack_bf16_weights_only_and_the_packed_model_computes_the_same_l
         target, drafter = target.to(getattr(torch, dtype)), drafter.to(getattr(torch, dtype))
         eng = Engine(target, drafter, spec, EngineConfig(dtype=dtype, max_num_seqs=4, prepack_weights=prepack))
         assert (eng.packed_weights > 0) == (prepack and dtype == "bfloat16")  # fp32: the reference path, unpacked
+        for moe in (m for m in target.modules() if isinstance(m, MoE)):  # stacked experts keep no unused packs
+            assert all(e.packed_count() == 0 and e.down_proj.packed_count() == 0 for e in moe.experts)
         with torch.inference_mode():
             logits[dtype, prepack] = target(ids).logits
         if prepack and dtype == "bfloat16":  # and the engine runs on it: greedy speculation == greedy decoding

@@ -100,9 +100,9 @@ def pack_for_inference(module: nn.Module) -> int:
     their own products (SwiGLU's fused gate|up, stacked experts). Returns how many weights are packed (0 where
     oneDNN cannot pack: fp32, no bf16 support). Idempotent; call again after changing weights."""
     with torch.inference_mode(False), torch.no_grad():
-        # plain Linears first: a module with fused weights then drops the packs of the Linears it fused
-        parts = [m for m in module.modules() if isinstance(m, Packable)]
-        parts.sort(key=lambda m: not isinstance(m, Linear))
+        # innermost first (reversed pre-order puts every descendant before its module): a module whose fused
+        # weights replace its children's then drops their packs
+        parts = [m for m in reversed(list(module.modules())) if isinstance(m, Packable)]
         for m in parts:
             m.pack()
     return sum(m.packed_count() for m in parts)
