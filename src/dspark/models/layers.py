@@ -91,18 +91,13 @@ class SwiGLU(nn.Module, Packable):
         g = self.__dict__.get("_gate_up")
         if g is None:
             return None
-        if not _halves_of(g, self.gate_proj.weight, self.up_proj.weight):
+        if not blocks_of(g, (self.gate_proj.weight, self.up_proj.weight)):
             return None
-        if self.gate_proj.bias is not None and not _halves_of(
-            self.__dict__.get("_gate_up_bias"), self.gate_proj.bias, self.up_proj.bias
+        if self.gate_proj.bias is not None and not blocks_of(
+            self.__dict__.get("_gate_up_bias"), (self.gate_proj.bias, self.up_proj.bias)
         ):
             return None
         return g
-
-
-def _halves_of(fused: torch.Tensor | None, first: torch.Tensor, second: torch.Tensor) -> bool:
-    """first and second are still the two halves of fused (pointer arithmetic only: no tensor op)."""
-    return blocks_of(fused, (first, second))
 
 
 def blocks_of(fused: torch.Tensor | None, parts: tuple[torch.Tensor, ...]) -> bool:
