@@ -19,8 +19,11 @@ from dspark.train.pretrain import (
     TokenWindows,
     checkpoint_path,
     default_target_config,
+    evaluate,
+    init_from_model_dir,
     kimi_k3_mini_config,
     lr_at,
+    position_buckets,
     tiny_pretrain_config,
     train_target,
 )
@@ -125,6 +128,59 @@ def test_resume_refuses_a_different_shape(data_dir, tmp_path):
     train_target(tiny(data_dir, tmp_path / "r", halt_at_step=2))
     with pytest.raises(ValueError, match="hidden_size"):
         train_target(tiny(data_dir, tmp_path / "r", hidden_size=32), resume=True)
+
+
+def test_continued_pretraining_starts_from_the_saved_weights_with_new_yarn(data_dir, tmp_path):
+    """--init-from: step 0 of the new run is the old model (same loss at the old positions), the YaRN factor and
+    window may change, anything else may not."""
+    base = train_target(tiny(data_dir, tmp_path / "short", max_steps=8))
+    old = load_target(base.export_dir, "float32")
+    longer = tiny(data_dir, tmp_path / "long", init_from=base.export_dir, yarn_factor=32.0)
+    longer = longer.__class__(**{**longer.to_dict(), "original_max_position_embeddings": 32, "max_steps": 4})
+    halted = train_target(longer.__class__(**{**longer.to_dict(), "halt_at_step": 0}))
+    assert halted.steps == 0
+    blob = torch.load(checkpoint_path(tmp_path / "long"), weights_only=True)
+    for name, t in old.state_dict().items():
+        assert torch.equal(blob["model"][name], t), name
+    assert blob["target_config"]["rope_parameters"]["factor"] == 32.0
+    assert blob["target_config"]["max_position_embeddings"] == 32 * 32
+
+    resumed = train_target(longer, resume=True)  # the resume keeps the trained weights, not the init source
+    assert resumed.steps == 4 and resumed.export_dir is not None
+    log = json.loads((tmp_path / "long" / "export" / "training_log.json").read_text())
+    assert log["pretrain_config"]["init_from"] == base.export_dir
+
+    wider = tiny(data_dir, tmp_path / "wide", init_from=base.export_dir, hidden_size=32)
+    with pytest.raises(ValueError, match="hidden_size"):
+        train_target(wider)
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    (tmp_path / "model_tok").mkdir()
+    for f in ("config.json", "model.safetensors"):
+        (tmp_path / "model_tok" / f).write_bytes((tmp_path / "short" / "export" / f).read_bytes())
+    (tmp_path / "model_tok" / "tokenizer.json").write_text('{"other": 1}')
+    with pytest.raises(ValueError, match="tokenizer"):
+        init_from_model_dir(MLATarget(longer.target_config(VOCAB)), tmp_path / "model_tok", tmp_path / "tok")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        init_from_model_dir(MLATarget(longer.target_config(VOCAB)), tmp_path / "tok", tmp_path / "tok")
+
+
+def test_validation_reports_perplexity_by_position_bucket(data_dir, tmp_path):
+    assert position_buckets(4096, 512) == [(0, 512), (512, 1024), (1024, 2048), (2048, 4096)]
+    assert position_buckets(48, 32) == [(0, 32), (32, 48)]
+    cfg = tiny(data_dir, tmp_path / "b", max_steps=2, eval_interval=1, seq_len=32, eval_seq_len=64, autocast_bf16=False)
+    model = MLATarget(cfg.target_config(VOCAB))
+    windows = torch.randint(6, VOCAB, (3, 65), generator=torch.Generator().manual_seed(0))
+    mean, per_position = evaluate(model, windows, cfg)
+    assert per_position.shape == (64,) and mean == pytest.approx(float(per_position.mean()))
+    with torch.no_grad():
+        logits = model(windows[:, :-1], absorbed=False).logits
+    ref = torch.nn.functional.cross_entropy(logits.transpose(1, 2), windows[:, 1:], reduction="none").mean(0)
+    torch.testing.assert_close(per_position.float(), ref, rtol=1e-4, atol=1e-4)
+
+    train_target(cfg)
+    log = json.loads((tmp_path / "b" / "export" / "training_log.json").read_text())
+    assert set(log["val"][-1]["ppl_by_position"]) == {"0-31", "32-63"}
 
 
 def test_router_bias_nudges_toward_balance():

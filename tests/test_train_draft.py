@@ -433,6 +433,17 @@ def test_init_from_warm_starts_a_fresh_run_from_a_checkpoint_or_an_export(target
     assert halted["step"] == 0
     for k, v in trained.items():
         torch.testing.assert_close(halted["model"][k], v, rtol=0, atol=0, msg=k)
+    # a YaRN-extended target (same weights, new positions): the drafter starts from the short-context one
+    rope = replace(target.config.rope, factor=4 * target.config.rope.factor)
+    longer = type(target)(
+        replace(target.config, rope=rope, max_position_embeddings=4 * target.config.max_position_embeddings)
+    )
+    longer.load_state_dict(target.state_dict())
+    extended = DraftTrainer(tiny_cfg(seed=7), longer, data)
+    assert extended.drafter.config.rope == rope
+    warm_start_(extended.drafter, str(tmp_path / "a"), longer)
+    for k, v in trained.items():
+        torch.testing.assert_close(extended.drafter.state_dict()[k], v, rtol=0, atol=0, msg=k)
     other = DraftTrainer(tiny_cfg(num_layers=3, seed=7), target, data)
     with pytest.raises(ValueError, match="init-from .*num_hidden_layers"):
         warm_start_(other.drafter, str(tmp_path / "a"), target)

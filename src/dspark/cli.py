@@ -113,7 +113,8 @@ def cmd_train_target(args: argparse.Namespace) -> int:
     overrides = {
         k: getattr(args, k)
         for k in ("max_minutes", "max_steps", "seq_len", "batch_size", "lr", "warmup_steps", "seed")
-        + ("eval_interval", "ckpt_interval", "num_threads")
+        + ("eval_interval", "ckpt_interval", "num_threads", "init_from", "yarn_factor")
+        + ("original_max_position_embeddings", "eval_seq_len", "eval_max_windows")
         if getattr(args, k) is not None
     }
     if args.no_time_limit:
@@ -154,6 +155,15 @@ def add_train_target(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, help="init and data-order seed (default 0)")
     p.add_argument("--num-threads", type=int, help="torch threads (default min(2, cpus))")
     p.add_argument("--resume", action="store_true", help="continue exactly from OUT_DIR/checkpoint/last.pt")
+    p.add_argument(
+        "--init-from",
+        metavar="MODEL_DIR",
+        help="continued pre-training: start from this exported target (same shapes; YaRN may differ)",
+    )
+    p.add_argument("--yarn-factor", type=float, help="YaRN factor: max positions = original window x factor (4)")
+    p.add_argument("--original-max-position-embeddings", type=int, help="YaRN's original window (default: --seq-len)")
+    p.add_argument("--eval-seq-len", type=int, help="validation window (default: --seq-len)")
+    p.add_argument("--eval-max-windows", type=int, help="validation windows at most (default: all)")
     p.add_argument("--tiny", action="store_true", help="a seconds-long smoke run with a tiny model")
     p.add_argument(
         "--kimi-k3-mini",

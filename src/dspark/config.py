@@ -60,6 +60,9 @@ def _positive(source: str, **values: int | float | None) -> None:
 # --------------------------------------------------------------------------------------------------------
 
 
+# config.json keys that encode positions only: a continued pre-training (context extension) may change them
+POSITION_KEYS = frozenset({"max_position_embeddings", "rope_parameters", "rope_theta", "rope_scaling"})
+
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from dspark.config import KimiLinearConfig, RopeConfig, TargetConfig
+from dspark.config import POSITION_KEYS, KimiLinearConfig, RopeConfig, TargetConfig
 from dspark.models.k3 import K3MoE
 from dspark.models.kimi_linear import KimiLinearTarget
 from dspark.models.loading import save_kimi_linear, save_target
@@ -115,6 +115,10 @@ class PretrainConfig:
     rope_theta: float = 10000.0
     yarn_factor: float = 4.0
     original_max_position_embeddings: int | None = None  # None: seq_len
+    # continued pre-training: start from this model directory's weights (same shapes; the positions — YaRN factor,
+    # original window, θ — may differ: that is context extension) with a fresh optimizer and schedule
+    init_from: str | None = None
+    eval_seq_len: int | None = None  # validation window (None: seq_len); may exceed seq_len to test extrapolation
     # "deepseek_v3": MLA in every layer; "kimi_linear": K3's hybrid (KDA layers, MLA-NoPE with output gate every
     # ``full_attention_interval``-th layer and the last, SiTU, latent MoE, AttnRes); the MLA fields above apply to
     # both, the ones below only to kimi_linear
@@ -235,6 +239,40 @@ SHAPE_FIELDS: tuple[str, ...] = (
     "yarn_factor",
     "original_max_position_embeddings",
 )
+
+
+def position_buckets(length: int, first: int) -> list[tuple[int, int]]:
+    """[start, end) position buckets over ``length`` positions: [0, first), then doubling ([first, 2·first), …)."""
+    edges = [0]
+    while edges[-1] < length:
+        edges.append(min(length, first if edges[-1] == 0 else 2 * edges[-1]))
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def init_from_model_dir(model: nn.Module, source: str | Path, data_dir: str | Path) -> list[str]:
+    """Copy a saved target's weights into ``model`` (continued pre-training). Every config key but the position
+    keys must match, and so must the tokenizer when both directories ship one. Returns the position keys that
+    changed ("rope_parameters: {...} -> {...}")."""
+    from dspark.models.loading import load_target
+
+    src = Path(source)
+    if not (src / "config.json").is_file():
+        raise FileNotFoundError(f"--init-from {src}: no config.json; give an exported target directory")
+    ours_tok, theirs_tok = Path(data_dir) / "tokenizer.json", src / "tokenizer.json"
+    if ours_tok.is_file() and theirs_tok.is_file() and ours_tok.read_bytes() != theirs_tok.read_bytes():
+        raise ValueError(
+            f"--init-from {src}: its tokenizer.json differs from {ours_tok}; continue on data tokenized with the "
+            "model's own tokenizer"
+        )
+    loaded = load_target(src, "float32")
+    ours, theirs = model.config.to_hf_dict(), loaded.config.to_hf_dict()
+    diffs = [k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k)]
+    shape = [f"{k}: {theirs.get(k)!r} there vs {ours.get(k)!r} here" for k in sorted(diffs) if k not in POSITION_KEYS]
+    if shape:
+        raise ValueError(f"--init-from {src}: a different model ({'; '.join(shape)}); use the same shape settings")
+    with torch.no_grad():
+        model.load_state_dict({k: v.float() for k, v in loaded.state_dict().items()})
+    return [f"{k}: {theirs.get(k)!r} -> {ours.get(k)!r}" for k in sorted(diffs)]
 
 
 def tiny_pretrain_config(data_dir: str, out_dir: str, **overrides: Any) -> PretrainConfig:
@@ -636,20 +674,29 @@ def _autocast(cfg: PretrainConfig):
 
 
 @torch.no_grad()
-def evaluate(model: MLATarget, windows: torch.Tensor, cfg: PretrainConfig) -> float:
-    """Mean next-token cross-entropy over the windows [N, T+1] (same autocast as training)."""
+def evaluate(model: MLATarget, windows: torch.Tensor, cfg: PretrainConfig) -> tuple[float, torch.Tensor]:
+    """Next-token cross-entropy over the windows [N, T+1] (same autocast as training) → (mean loss, mean loss at
+    each of the T positions [T])."""
     was_training = model.training
     model.eval()
-    total, count = 0.0, 0
+    per_position = torch.zeros(windows.shape[1] - 1, dtype=torch.float64)
     for i in range(0, windows.shape[0], cfg.batch_size):
         batch = windows[i : i + cfg.batch_size]
         with _autocast(cfg):
             logits = model(batch[:, :-1], absorbed=False).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum")
-        total += float(loss)
-        count += batch[:, 1:].numel()
+        loss = F.cross_entropy(logits.transpose(1, 2).float(), batch[:, 1:], reduction="none")  # [b, T]
+        per_position += loss.double().sum(0)
     model.train(was_training)
-    return total / count
+    per_position /= windows.shape[0]
+    return float(per_position.mean()), per_position
+
+
+def bucketed_ppl(per_position: torch.Tensor, first: int) -> dict[str, float]:
+    """Perplexity per position bucket ("0-511": ppl, …) of per-position mean losses."""
+    return {
+        f"{a}-{b - 1}": round(math.exp(float(per_position[a:b].mean())), 3)
+        for a, b in position_buckets(per_position.numel(), first)
+    }
 
 
 def train_step(model: MLATarget, batch: torch.Tensor, cfg: PretrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -730,7 +777,9 @@ class TargetTrainer(TrainLoop[_StepOut]):
         self.cfg = cfg = replace(cfg, vocab_size=resolve_vocab_size(cfg))
         assert cfg.vocab_size is not None
         train_tokens = _load_split(data_dir, "train")
-        self.val = validation_windows(_load_split(data_dir, "validation"), cfg.seq_len, cfg.eval_max_windows)
+        self.val = validation_windows(
+            _load_split(data_dir, "validation"), cfg.eval_seq_len or cfg.seq_len, cfg.eval_max_windows
+        )
         if int(train_tokens.max()) >= cfg.vocab_size:
             raise ValueError(
                 f"{data_dir}/train.npy has token id {int(train_tokens.max())} >= vocab_size={cfg.vocab_size}"
@@ -738,6 +787,9 @@ class TargetTrainer(TrainLoop[_StepOut]):
         torch.manual_seed(cfg.seed)
         self.model = build_target(cfg, cfg.vocab_size)
         init_weights(self.model, cfg.init_std, torch.Generator().manual_seed(cfg.seed))
+        if cfg.init_from is not None and not resume:
+            changed = init_from_model_dir(self.model, cfg.init_from, data_dir)
+            self.say(f"train-target: weights from {cfg.init_from}" + "".join(f"; {c}" for c in changed))
         self.model.train()
         self.opt = build_optimizer(self.model, cfg)
         self.loader = TokenWindows(train_tokens, cfg.seq_len, cfg.batch_size, cfg.seed)
@@ -856,10 +908,14 @@ class TargetTrainer(TrainLoop[_StepOut]):
 
     def run_evaluation(self) -> None:
         t0 = time.perf_counter()
-        loss = evaluate(self.model, self.val, self.cfg)
-        self.state.val.append({"step": self.step, "loss": round(loss, 5), "ppl": round(math.exp(loss), 3)})
+        loss, per_position = evaluate(self.model, self.val, self.cfg)
+        buckets = bucketed_ppl(per_position, self.cfg.original_context)
+        self.state.val.append(
+            {"step": self.step, "loss": round(loss, 5), "ppl": round(math.exp(loss), 3), "ppl_by_position": buckets}
+        )
         dt = time.perf_counter() - t0
-        self.say(f"step {self.step}: val loss {loss:.4f} ppl {math.exp(loss):.2f} ({dt:.1f}s)")
+        by_pos = " ".join(f"{k}:{v:.1f}" for k, v in buckets.items())
+        self.say(f"step {self.step}: val loss {loss:.4f} ppl {math.exp(loss):.2f} [{by_pos}] ({dt:.1f}s)")
 
     def last_eval_step(self) -> int | None:
         return self.state.val[-1]["step"] if self.state.val else None

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dspark.config import DraftConfig, GQATargetConfig, KimiLinearConfig, TargetConfig
+from dspark.config import POSITION_KEYS, DraftConfig, GQATargetConfig, KimiLinearConfig, TargetConfig
 from dspark.models.drafter import DSparkDrafter
 from dspark.train.anchors import (
     block_inputs,
@@ -867,7 +867,8 @@ def save_checkpoint(path: Path, trainer: DraftTrainer, log: RunLog) -> None:
 
 def warm_start_(drafter: DSparkDrafter, source: str | Path, target: nn.Module) -> None:
     """Copy the weights of an earlier run into a fresh drafter (new optimizer and schedule): ``source`` is that
-    run's out_dir, its ``last.pt`` or an exported drafter dir. The drafter configs must be equal."""
+    run's out_dir, its ``last.pt`` or an exported drafter dir. The drafter configs must be equal except for the
+    position keys (a drafter for a YaRN-extended target starts from the short-context one)."""
     from dspark.models.loading import load_drafter
 
     src = Path(source)
@@ -886,7 +887,11 @@ def warm_start_(drafter: DSparkDrafter, source: str | Path, target: nn.Module) -
             "dir with config.json"
         )
     ours = drafter.config.to_dict()
-    diffs = [f"{k}: {theirs.get(k)!r} there vs {v!r} here" for k, v in ours.items() if theirs.get(k) != v]
+    diffs = [
+        f"{k}: {theirs.get(k)!r} there vs {v!r} here"
+        for k, v in ours.items()
+        if theirs.get(k) != v and k not in POSITION_KEYS
+    ]
     if diffs:
         raise ValueError(f"--init-from {src}: a different drafter ({'; '.join(diffs)}); use the same shape flags")
     with torch.no_grad():
