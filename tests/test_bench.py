@@ -129,6 +129,24 @@ def test_perfect_drafter_gives_tau_k_plus_one(K, concurrency):
     assert by["perfect"].output_tokens == by["ar"].output_tokens == len(prompts) * max_tokens
     assert by["ar"].speedup_vs_ar == 1.0 and by["ar"].acceptance_length is None and by["ar"].verify_rate is None
     assert by["ar"].tau_bound is None and by["perfect"].tau_bound > 0  # from the engines' measured phase times
+    assert by["ar"].decode_speedup_vs_ar == 1.0 and by["perfect"].decode_speedup_vs_ar > 0
+
+
+def test_decode_speedup_counts_decode_tokens_over_decode_time_only():
+    """Prefill excluded: each request's first token comes from its prefill step; stacks without phase times get
+    no decode speed-up."""
+    from dspark.bench.methods import Measurement
+    from dspark.bench.speed import rows_from_measurements
+    from dspark.engine.metrics import DecodeTimes
+
+    ar = [Measurement(20, 30.0, None, DecodeTimes(18, 0.0, 9.0, 9.0), requests=2)]  # 18 tokens / 9 s
+    spec = [Measurement(20, 24.0, None, DecodeTimes(4, 1.0, 2.0, 3.0), requests=2)]  # 18 tokens / 3 s
+    other = [Measurement(20, 10.0, None)]
+    rows = rows_from_measurements({"ar": ar, "dspark": spec, "hf-generate": other}, Cell("x", 0.0, 2, ((1,), (2,))))
+    by = {r.name: r for r in rows}
+    assert by["dspark"].decode_speedup_vs_ar == pytest.approx(3.0)
+    assert by["dspark"].speedup_vs_ar == pytest.approx(30.0 / 24.0)  # end to end: prefill included
+    assert by["ar"].decode_speedup_vs_ar == 1.0 and by["hf-generate"].decode_speedup_vs_ar is None
 
 
 def test_rows_are_computed_from_engine_counter_deltas():

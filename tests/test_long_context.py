@@ -276,5 +276,10 @@ def test_bench_draft_window_adds_a_windowed_dspark_row(tmp_path):
     rows = {(r.name, r.dataset) for r in report.results}
     assert {("dspark-window", "prompts.jsonl@ctx120"), ("dspark", "prompts.jsonl@ctx120")} <= rows
     assert all(r.acceptance_length is not None for r in report.results if r.name.startswith("dspark"))
+    deep = [r for r in report.results if r.dataset.endswith("@ctx120")]
+    assert all(r.decode_speedup_vs_ar is not None and r.decode_speedup_vs_ar > 0 for r in deep)
+    from dspark.bench.plots import plot_report
+
+    assert plot_report(report.to_json(), tmp_path / "bench.png").stat().st_size > 0  # τ and speed-up vs depth
     with pytest.raises(ConfigError, match="needs --draft-window"):
         BenchConfig(str(data), baselines=("dspark-window",))

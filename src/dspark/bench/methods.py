@@ -19,6 +19,7 @@ class Measurement:
     wall_s: float
     counters: SpecCounters | None  # None: the method has no speculative counters (AR baselines outside our engine)
     decode: DecodeTimes | None = None  # our engine's decode-phase times (τ-bound), None for other stacks
+    requests: int = 0  # prompts in the batch (each one's first token comes from its prefill, not the decode phase)
 
 
 class Method(Protocol):
@@ -52,7 +53,7 @@ class EngineMethod:
         LLM.from_engine(self.engine).generate([list(p) for p in prompts], params)
         wall = time.perf_counter() - t0
         counters = SpecCounters.of(m.spec) - spec0 if self.engine.spec is not None else None
-        return Measurement(m.generation_tokens - tokens0, wall, counters, m.decode - decode0)
+        return Measurement(m.generation_tokens - tokens0, wall, counters, m.decode - decode0, len(prompts))
 
     def close(self) -> None:
         pass

@@ -1,7 +1,8 @@
 """Bench figures (matplotlib, Agg backend) drawn from the bench JSON (``{"config", "results"}``).
 
-Three panels: per-position acceptance per method; tokens/s vs concurrency for ar / fixed K / adaptive; τ vs
-context depth (rows whose dataset ends in ``@ctx<N>``).
+Three panels: per-position acceptance per method; tokens/s vs concurrency for ar / fixed K / adaptive; τ (solid,
+left axis) and the decode-phase speed-up over AR (dashed, right axis) vs context depth (rows whose dataset ends in
+``@ctx<N>``).
 """
 
 from __future__ import annotations
@@ -87,20 +88,25 @@ def _concurrency(ax: Any, rows: list[Mapping[str, Any]]) -> None:
 def _depth(ax: Any, rows: list[Mapping[str, Any]]) -> None:
     deep = [r for r in rows if context_depth(r["dataset"]) is not None and r["acceptance_length"] is not None]
     series = sorted({(r["name"], r["temperature"]) for r in deep})
+    speed_ax = ax.twinx() if series else None
     for name, t in series:
-        pts = sorted(
-            (context_depth(r["dataset"]), r["acceptance_length"])
-            for r in deep
-            if r["name"] == name and r["temperature"] == t
+        mine = sorted(
+            (r for r in deep if r["name"] == name and r["temperature"] == t), key=lambda r: context_depth(r["dataset"])
         )
-        ax.plot(*zip(*pts), marker="o", label=f"{name} T={t:g}")
-    ax.set_title("τ vs context depth")
+        depths = [context_depth(r["dataset"]) for r in mine]
+        line = ax.plot(depths, [r["acceptance_length"] for r in mine], marker="o", label=f"{name} T={t:g} τ")[0]
+        speed = [(d, r.get("decode_speedup_vs_ar")) for d, r in zip(depths, mine) if r.get("decode_speedup_vs_ar")]
+        if speed and speed_ax is not None:
+            speed_ax.plot(*zip(*speed), marker="s", linestyle="--", color=line.get_color(), label=f"{name} T={t:g} ×")
+    ax.set_title("τ and decode speed-up vs context depth")
     ax.set_xlabel("prompt length (tokens)")
-    ax.set_ylabel("τ (mean acceptance length)")
-    if series:
+    ax.set_ylabel("τ (mean acceptance length), solid")
+    if series and speed_ax is not None:
         depths = sorted({context_depth(r["dataset"]) for r in deep})
         ax.set_xscale("log", base=2)
         ax.set_xticks(depths, [str(d) for d in depths])
-        ax.legend(fontsize=7)
+        speed_ax.set_ylabel("decode speed-up over AR, dashed")
+        speed_ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
+        ax.legend(fontsize=7, loc="lower left")
     else:
         ax.text(0.5, 0.5, "run with --context-depths 1024,4096,16384", ha="center", transform=ax.transAxes)

@@ -61,6 +61,7 @@ RESULT_KEYS = (
     "per_position_acceptance",
     "verify_rate",
     "tau_bound",
+    "decode_speedup_vs_ar",
 )
 
 
@@ -82,6 +83,8 @@ class BenchRow:
     per_position_acceptance: list[float] | None
     verify_rate: float | None
     tau_bound: float | None = None  # τ · t_AR_step / (t_draft + t_verify) from this cell's measured costs
+    # measured decode-phase speed-up (prefill excluded): decode tokens per decode second over AR's; our engine only
+    decode_speedup_vs_ar: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -147,6 +150,7 @@ def rows_from_measurements(parts: dict[str, list[Measurement]], cell: Cell) -> l
 
     ref = tps(parts[AR])
     ar_decode = _decode_sum(parts[AR])
+    ar_decode_rate = decode_rate(parts[AR])
     rows = []
     for name in sorted(parts, key=display_rank):
         ms = parts[name]
@@ -154,6 +158,7 @@ def rows_from_measurements(parts: dict[str, list[Measurement]], cell: Cell) -> l
         rate = tps(ms)
         decode, tau = _decode_sum(ms), counters.acceptance_length if counters else None
         bound = tau_bound(tau, ar_decode, decode) if tau is not None and decode and ar_decode else None
+        rate_d = decode_rate(ms)
         rows.append(
             BenchRow(
                 name=name,
@@ -169,9 +174,20 @@ def rows_from_measurements(parts: dict[str, list[Measurement]], cell: Cell) -> l
                 per_position_acceptance=counters.per_position_acceptance if counters else None,
                 verify_rate=counters.verify_rate if counters else None,
                 tau_bound=bound,
+                decode_speedup_vs_ar=rate_d / ar_decode_rate if rate_d and ar_decode_rate else None,
             )
         )
     return rows
+
+
+def decode_rate(ms: list[Measurement]) -> float | None:
+    """Tokens per second of the decode phase alone: every output token but each request's first (the prefill step
+    samples it) over the decode steps' wall time. None for stacks that do not report phase times."""
+    decode = _decode_sum(ms)
+    if decode is None or decode.total_s <= 0:
+        return None
+    first_tokens = sum(m.requests for m in ms)
+    return max(0, sum(m.output_tokens for m in ms) - first_tokens) / decode.total_s
 
 
 def _decode_sum(ms: list[Measurement]) -> DecodeTimes | None:
@@ -574,7 +590,8 @@ def _fmt(v: float | None, spec: str) -> str:
 
 def markdown_table(rows: Sequence[BenchRow], max_positions: int = 8) -> str:
     head = (
-        "| method | dataset | T | conc | prompts | out tok | tok/s | speed-up | τ-bound | τ | verify rate "
+        "| method | dataset | T | conc | prompts | out tok | tok/s | speed-up | decode speed-up | τ-bound | τ "
+        "| verify rate "
         "| per-position acceptance |"
     )
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
@@ -583,7 +600,9 @@ def markdown_table(rows: Sequence[BenchRow], max_positions: int = 8) -> str:
         pos_s = "–" if pos is None else " ".join(f"{p:.2f}" for p in pos[:max_positions])
         lines.append(
             f"| {r.name} | {r.dataset} | {r.temperature:g} | {r.concurrency} | {r.num_prompts} | {r.output_tokens} "
-            f"| {r.tokens_per_s:.1f} | {r.speedup_vs_ar:.2f}x | {_fmt(r.tau_bound, '.2f')}{'x' if r.tau_bound else ''} "
+            f"| {r.tokens_per_s:.1f} | {r.speedup_vs_ar:.2f}x "
+            f"| {_fmt(r.decode_speedup_vs_ar, '.2f')}{'x' if r.decode_speedup_vs_ar else ''} "
+            f"| {_fmt(r.tau_bound, '.2f')}{'x' if r.tau_bound else ''} "
             f"| {_fmt(r.acceptance_length, '.2f')} "
             f"| {_fmt(r.verify_rate, '.2f')} | {pos_s} |"
         )
