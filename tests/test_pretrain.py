@@ -41,7 +41,7 @@ def data_dir(tmp_path_factory):
     tokens = np.concatenate(rows).astype(np.uint16)
     np.save(d / "train.npy", tokens)
     np.save(d / "validation.npy", tokens[: 41 * 12])
-    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|bos|>"}))
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|bos|>", "model_max_length": 4096}))
     (d / "data_manifest.json").write_text(json.dumps({"vocab_size": VOCAB}))
     return d
 
@@ -149,6 +149,8 @@ def test_continued_pretraining_starts_from_the_saved_weights_with_new_yarn(data_
     assert resumed.steps == 4 and resumed.export_dir is not None
     log = json.loads((tmp_path / "long" / "export" / "training_log.json").read_text())
     assert log["pretrain_config"]["init_from"] == base.export_dir
+    tok_cfg = json.loads((tmp_path / "long" / "export" / "tokenizer_config.json").read_text())
+    assert tok_cfg["model_max_length"] == 32 * 32  # the tokenizer's limit follows the extended window
 
     wider = tiny(data_dir, tmp_path / "wide", init_from=base.export_dir, hidden_size=32)
     with pytest.raises(ValueError, match="hidden_size"):

@@ -739,6 +739,12 @@ def export_model(model: MLATarget, cfg: PretrainConfig, state: _RunState, extra:
         src = Path(cfg.data_dir) / name
         if src.is_file():
             shutil.copyfile(src, out / name)
+    tok_cfg = out / "tokenizer_config.json"
+    if tok_cfg.is_file():  # the tokenizer's length limit follows the model's (a YaRN extension raises it)
+        d = json.loads(tok_cfg.read_text())
+        if "model_max_length" in d:
+            d["model_max_length"] = model.config.max_position_embeddings
+            tok_cfg.write_text(json.dumps(d, indent=2) + "\n")
     _write_training_log(out / TRAINING_LOG, cfg, model, state, extra)
     return out
 
