@@ -361,6 +361,13 @@ def test_regenerated_responses_are_the_targets_and_masked(tmp_path: Path) -> Non
             for _ in range(len(r)):
                 seq.append(int(tgt(torch.tensor([seq])).logits[0, -1].argmax()))
         assert seq[len(p) :] == r
+    # submitted shortest first: sampled responses are still each prompt's own (per-request seeds)
+    from dspark.llm import LLM
+
+    hot = RegenerateConfig(max_new_tokens=6, temperatures=(1.0,), min_loss_tokens=2)
+    params = [sampling_params_for(hot, i, 0) for i in range(3)]
+    alone = [list(LLM.from_engine(engine).generate([p], [q])[0].token_ids) for p, q in zip(prompts, params)]
+    assert regenerate_responses(engine, prompts, params) == alone
     samples, dropped = _make_samples(prompts, responses, cfg.min_loss_tokens)
     ds = DraftDataset.from_samples(samples)
     for i, (p, r) in enumerate(zip(prompts, responses)):

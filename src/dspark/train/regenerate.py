@@ -264,11 +264,20 @@ class RegenerateResult:
 def regenerate_responses(
     engine: Any, prompts: Sequence[Sequence[int]], params: Sequence[Any], max_new_tokens: int | None = None
 ) -> list[list[int]]:
-    """Responses (token ids, a final EOS included when generated) of the engine's target for each prompt."""
+    """Responses (token ids, a final EOS included when generated) of the engine's target for each prompt.
+
+    The prompts are submitted shortest first, so each decode batch holds prompts of similar lengths: a batch reads
+    every request's keys padded to its longest context, and one 16k-token prompt among short ones would make every
+    row of every step pay for 16k keys. Each request keeps its own sampling parameters and seed, so the order does
+    not change what is sampled; the responses come back in the prompts' order."""
     from dspark.llm import LLM
 
-    outs = LLM.from_engine(engine).generate([list(p) for p in prompts], list(params))
-    return [list(o.token_ids) for o in outs]
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    outs = LLM.from_engine(engine).generate([list(prompts[i]) for i in order], [params[i] for i in order])
+    responses: list[list[int]] = [[] for _ in prompts]
+    for i, out in zip(order, outs):
+        responses[i] = list(out.token_ids)
+    return responses
 
 
 def sampling_params_for(cfg: RegenerateConfig, index: int, base_seed: int) -> Any:
