@@ -1199,6 +1199,9 @@ class EngineConfig:
     max_waiting: int = 256
     attention_backend: str | None = None  # target (and default draft) attention: vLLM's --attention-backend
     prepack_weights: bool = True  # bf16 on CPU: oneDNN-packed copies of the linear weights (faster; 2× weight memory)
+    # a step's batch is split into context-length groups when the padded attention work saved exceeds one extra
+    # forward, costed as this many (row, key) pairs (see dspark.engine.grouping); 0: never split
+    split_batch_keys: int = 8192
 
     def __post_init__(self) -> None:
         src = "engine config"
@@ -1213,6 +1216,8 @@ class EngineConfig:
         )
         if self.dtype not in DTYPES:
             raise _fail(src, "dtype", self.dtype, f"use one of {list(DTYPES)}")
+        if not isinstance(self.split_batch_keys, int) or self.split_batch_keys < 0:
+            raise _fail(src, "split_batch_keys", self.split_batch_keys, "use an integer >= 0 (0 disables splitting)")
 
     @property
     def target_attention_backend(self) -> str | None:

@@ -18,6 +18,7 @@ from dspark.cache.allocator import BlockManager, PageAllocator
 from dspark.cache.pool import CachePools
 from dspark.cache.state import StatePool
 from dspark.config import CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
+from dspark.engine.grouping import length_groups
 from dspark.engine.metrics import EngineMetrics
 from dspark.engine.request import Request, Status
 from dspark.engine.runner import ModelRunner
@@ -195,13 +196,21 @@ class Engine:
         self.metrics.num_preemptions += len(sched.preempted)
         for req in sched.preempted:  # recomputed from scratch when rescheduled
             self.runner.release_state(req.request_id)
-        if sched.prefills:
-            self._isolated(self._prefill, sched.prefills, [c.request for c in sched.prefills])
+        for chunks in self._groups(sched.prefills, [(c.end, c.end - c.start) for c in sched.prefills]):
+            self._isolated(self._prefill, chunks, [c.request for c in chunks])
         decodes = [r for r in sched.decodes if not r.finished]
-        if decodes:
-            self._isolated(self._decode, decodes, decodes)
+        for group in self._groups(decodes, [(r.num_computed + self.K + 1, self.K + 1) for r in decodes]):
+            self._isolated(self._decode, group, group)
         self.metrics.maybe_log()
         return self._drain()
+
+    def _groups(self, items: list, sizes: list[tuple[int, int]]) -> list[list]:
+        """``items`` as groups of similar context length, given each one's (keys attended, new rows): one group
+        unless padding every row to the longest context costs more than another forward."""
+        if not items:
+            return []
+        keys, rows = zip(*sizes)
+        return [[items[i] for i in g] for g in length_groups(keys, rows, self.cfg.split_batch_keys)]
 
     def _isolated(self, phase: Callable[[list], None], items: list, reqs: list[Request]) -> None:
         """Run ``phase(items)``; if it raises, rerun each item alone and fail only the requests that raise alone.
