@@ -59,6 +59,33 @@ def test_absorbed_equals_naive(use_nope, gate, q_lora, yarn):
     torch.testing.assert_close(a, n, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_long_chunks_run_in_query_blocks_with_the_same_result(monkeypatch, bias):
+    """A prefill chunk whose scores exceed SCORE_BLOCK runs in blocks of query rows: same output (bool mask or
+    additive bias), and no block's scores exceed the budget."""
+    import dspark.models.mla as mla
+    from dspark.models.layers import attention_bias
+
+    attn, rot = make(False, True, None, True)
+    x = torch.randn(2, 23, 32)
+    pos = torch.arange(23).expand(2, 23) + torch.tensor([[0], [7]])
+    cos, sin = rot.cos_sin(pos)
+    mask = causal_mask(pos, torch.arange(30).expand(2, 30))
+    mask = attention_bias(mask) if bias else mask
+    kv = torch.randn(2, 30, attn.cfg.latent_dim)
+    with torch.no_grad():
+        whole = attn.attend_from_kv(x, cos, sin, kv, mask, absorbed=True)
+        monkeypatch.setattr(mla, "SCORE_BLOCK", 2 * 4 * 30 * 5)  # 5 query rows per block
+        sizes = []
+        inner = attn._attend_absorbed
+        monkeypatch.setattr(
+            attn, "_attend_absorbed", lambda q, qp, k, m: sizes.append(q.shape[1]) or inner(q, qp, k, m)
+        )
+        blocked = attn.attend_from_kv(x, cos, sin, kv, mask, absorbed=True)
+    assert sizes == [5, 5, 5, 5, 3]
+    torch.testing.assert_close(blocked, whole, rtol=1e-6, atol=1e-6)
+
+
 def test_cached_latent_is_normalised_ckv_and_rotated_kpe():
     attn, rot = make(False, False, 16, True)
     x = torch.randn(2, 5, 32)
