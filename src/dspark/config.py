@@ -1200,8 +1200,10 @@ class EngineConfig:
     attention_backend: str | None = None  # target (and default draft) attention: vLLM's --attention-backend
     prepack_weights: bool = True  # bf16 on CPU: oneDNN-packed copies of the linear weights (faster; 2× weight memory)
     # a step's batch is split into context-length groups when the padded attention work saved exceeds one extra
-    # forward, costed as this many (row, key) pairs (see dspark.engine.grouping); 0: never split
-    split_batch_keys: int = 8192
+    # forward, costed as this many (row, key) pairs (see dspark.engine.grouping); 0: never split. 65,536 = 8 verify
+    # rows over 8k keys: a batch of decodes whose contexts differ by a few hundred tokens stays whole (on k3-mini two
+    # forwards of 8 requests cost more than one of 16), one 16k request among short ones does not
+    split_batch_keys: int = 65536
 
     def __post_init__(self) -> None:
         src = "engine config"

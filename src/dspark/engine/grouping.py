@@ -34,18 +34,20 @@ def length_groups(keys: Sequence[int], rows: Sequence[int], fixed: int) -> list[
     if n <= 1 or fixed <= 0:
         return [whole]
     one = _cost(n, max(rows), max(keys), fixed)
-    useful = sum(_cost(1, r, k, 0) for r, k in zip(rows, keys))
-    if one - useful <= fixed:  # padding costs less than one extra forward: nothing to gain
+    # a split costs at least one more forward on top of the unpadded work of one forward: no split can beat the
+    # whole batch unless the padding costs more than that forward
+    unpadded = fixed + sum(r * (k + fixed) for r, k in zip(rows, keys))
+    if one - unpadded <= fixed:
         return [whole]
     order = sorted(whole, key=lambda i: (keys[i], rows[i]))
-    best = [0] + [0] * n  # best[j]: least cost of the first j requests in sorted order
+    best = [0] * (n + 1)  # best[j]: least cost of the first j requests in sorted order
     cut = [0] * (n + 1)
     for j in range(1, n + 1):
-        best[j], max_rows = -1, 0
-        for i in range(j - 1, -1, -1):  # group = order[i:j]; its longest context is keys[order[j-1]]
+        longest, max_rows, best[j] = keys[order[j - 1]], 0, one + 1
+        for i in range(j - 1, -1, -1):  # group = order[i:j]
             max_rows = max(max_rows, rows[order[i]])
-            c = best[i] + _cost(j - i, max_rows, keys[order[j - 1]], fixed)
-            if best[j] < 0 or c < best[j]:
+            c = best[i] + _cost(j - i, max_rows, longest, fixed)
+            if c < best[j]:
                 best[j], cut[j] = c, i
     if best[n] >= one:
         return [whole]
