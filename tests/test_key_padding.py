@@ -1,0 +1,54 @@
+"""Key rows padded to a bucket (so CPU GEMM kernels are reused across steps): masked, outputs unchanged."""
+
+import pytest
+import torch
+
+import dspark.engine.runner as runner
+from dspark.config import EngineConfig, SpeculativeConfig
+from dspark.engine.engine import Engine
+from dspark.llm import LLM
+from dspark.models.tiny import build_tiny_pair
+from dspark.sampling_params import SamplingParams
+
+
+def test_padded_keys_rounds_up_to_the_bucket(monkeypatch):
+    monkeypatch.setattr(runner, "KEY_BUCKET", 16)
+    assert [runner.padded_keys(n) for n in (0, 1, 16, 17, 40)] == [0, 16, 16, 32, 48]
+
+
+def _run(bucket: int, spec: SpeculativeConfig | None, window: int | None, monkeypatch) -> tuple[list, set[int]]:
+    monkeypatch.setattr(runner, "KEY_BUCKET", bucket)
+    torch.manual_seed(0)
+    target, drafter = build_tiny_pair(3)
+    if spec is not None and window is not None:
+        spec = SpeculativeConfig(method=spec.method, num_speculative_tokens=spec.num_speculative_tokens, draft_window=window)
+    engine = Engine(target, drafter, spec, EngineConfig(dtype="float32", max_num_seqs=4))
+    widths: set[int] = set()
+    build, slots = engine.runner.build, engine.runner.context_slots
+
+    def spy_build(*a, **kw):
+        batch = build(*a, **kw)
+        widths.add(batch.read_slots.shape[1])
+        return batch
+
+    def spy_slots(*a, **kw):
+        read = slots(*a, **kw)
+        widths.add(read.shape[1])
+        return read
+
+    engine.runner.build, engine.runner.context_slots = spy_build, spy_slots
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(4, 96, (n,), generator=g).tolist() for n in (3, 21, 9, 40)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m) for m in (12, 7, 20, 9)]
+    outs = LLM.from_engine(engine).generate(prompts, params)
+    return [o.token_ids for o in outs], widths
+
+
+@pytest.mark.parametrize("method, window", [(None, None), ("dspark", None), ("dspark", 8), ("dflash", None)])
+def test_padded_key_rows_change_no_token(method, window, monkeypatch):
+    spec = None if method is None else SpeculativeConfig(method=method, num_speculative_tokens=3)
+    exact, exact_widths = _run(1, spec, window, monkeypatch)
+    padded, padded_widths = _run(16, spec, window, monkeypatch)
+    assert padded == exact
+    assert all(w % 16 == 0 for w in padded_widths)
+    assert any(w % 16 for w in exact_widths)  # the unpadded run did see other widths
