@@ -3,7 +3,9 @@
 import pytest
 import torch
 
+import dspark.cache.pool as pool_module
 import dspark.engine.runner as runner
+from dspark.cache.pool import contiguous_start
 from dspark.config import EngineConfig, SpeculativeConfig
 from dspark.engine.engine import Engine
 from dspark.llm import LLM
@@ -21,7 +23,7 @@ def _run(bucket: int, spec: SpeculativeConfig | None, window: int | None, monkey
     torch.manual_seed(0)
     target, drafter = build_tiny_pair(3)
     if spec is not None and window is not None:
-        spec = SpeculativeConfig(method=spec.method, num_speculative_tokens=spec.num_speculative_tokens, draft_window=window)
+        spec = SpeculativeConfig(method=spec.method, num_speculative_tokens=3, draft_window=window)
     engine = Engine(target, drafter, spec, EngineConfig(dtype="float32", max_num_seqs=4))
     widths: set[int] = set()
     build, slots = engine.runner.build, engine.runner.context_slots
@@ -52,3 +54,41 @@ def test_padded_key_rows_change_no_token(method, window, monkeypatch):
     assert padded == exact
     assert all(w % 16 == 0 for w in padded_widths)
     assert any(w % 16 for w in exact_widths)  # the unpadded run did see other widths
+
+
+def test_contiguous_start_only_for_one_request_on_consecutive_slots_inside_the_pool():
+    run = torch.tensor([[32, 33, 34, 35, 99, 99]])  # 4 valid keys, 2 padding rows pointing at the scratch slot
+    assert contiguous_start(run, 4, 100) == 32
+    assert contiguous_start(run, 4, 37) is None  # the padded width would run past the pool
+    assert contiguous_start(torch.tensor([[32, 33, 48, 49]]), 4, 100) is None  # two pages apart
+    assert contiguous_start(torch.tensor([[33, 32, 34]]), 3, 100) is None  # not in order
+    assert contiguous_start(run.expand(2, 6), 4, 100) is None  # two requests gather
+    assert contiguous_start(run, 0, 100) is None
+
+
+def _generate_single(in_place: bool, method: str | None, monkeypatch) -> tuple[list, int]:
+    hits = [0]
+
+    def spy(*a):
+        start = contiguous_start(*a) if in_place else None
+        hits[0] += start is not None
+        return start
+
+    monkeypatch.setattr(pool_module, "contiguous_start", spy)
+    torch.manual_seed(0)
+    target, drafter = build_tiny_pair(3)
+    spec = None if method is None else SpeculativeConfig(method=method, num_speculative_tokens=3)
+    engine = Engine(target, drafter, spec, EngineConfig(dtype="float32", max_num_seqs=1))
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(4, 96, (n,), generator=g).tolist() for n in (7, 40, 18)]
+    llm = LLM.from_engine(engine)
+    outs = [llm.generate([p], SamplingParams(temperature=0.0, max_tokens=24))[0].token_ids for p in prompts]
+    return outs, hits[0]
+
+
+@pytest.mark.parametrize("method", [None, "dspark"])
+def test_reading_one_requests_keys_in_place_changes_no_token(method, monkeypatch):
+    gathered, _ = _generate_single(False, method, monkeypatch)
+    in_place, hits = _generate_single(True, method, monkeypatch)
+    assert in_place == gathered
+    assert hits > 0  # requests one after another reuse freed pages in order: their slots stay consecutive

@@ -33,7 +33,8 @@ class PageAllocator:
         self.num_pages = num_pages
         self.page_size = page_size
         self._refcount = [0] * num_pages
-        # Stack: pop() hands out the lowest ids first; freed pages are reused first (warm in cache).
+        # Stack: pop() hands out the lowest ids first; freed pages are reused first (warm in cache), in the order
+        # they were freed in, so a request's pages tend to form one run of consecutive slots (read in place).
         self._free = list(range(num_pages - 1, -1, -1))
 
     def num_free(self) -> int:
@@ -88,7 +89,7 @@ class PageAllocator:
                 raise ValueError(
                     f"double free of page {page}: freeing {n} reference(s) but its ref count is {self._refcount[page]}"
                 )
-        for page, n in counts.items():
+        for page, n in reversed(counts.items()):  # reversed: a later allocate hands them out in this order again
             self._refcount[page] -= n
             if self._refcount[page] == 0:
                 self._free.append(page)

@@ -26,6 +26,7 @@ class BatchStore:
     write_slots: torch.Tensor  # [B, T] flat slot per new row (padding rows → scratch slots)
     read_slots: torch.Tensor  # [B, S] flat slot per visible key position (padding → any slot, masked)
     layer_offset: int = 0
+    read_start: int | None = None  # one request whose S read slots are start..start+S-1: read in place
 
     def write(self, layer: int, rows: torch.Tensor) -> None:
         """Store rows [B, T, W] at the write slots of ``layer``."""
@@ -33,8 +34,12 @@ class BatchStore:
         cache.index_copy_(0, self.write_slots.reshape(-1), rows.reshape(-1, rows.shape[-1]).to(cache.dtype))
 
     def read(self, layer: int) -> torch.Tensor:
-        """The rows at the read slots of ``layer``: [B, S, W]."""
-        return self.pool[self.layer_offset + layer][self.read_slots]
+        """The rows at the read slots of ``layer``: [B, S, W] (a view of the pool when ``read_start`` is set, else a
+        gathered copy)."""
+        plane = self.pool[self.layer_offset + layer]
+        if self.read_start is not None:
+            return plane[self.read_start : self.read_start + self.read_slots.shape[1]].unsqueeze(0)
+        return plane[self.read_slots]
 
     def update(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         """rows [B, T, W] → keys [B, S, W] after writing the new rows."""
@@ -63,8 +68,27 @@ class PagedPool:
         n = self.num_layers if num_layers is None else num_layers
         return n * self.width * self.pool.element_size()
 
-    def view(self, write_slots: torch.Tensor, read_slots: torch.Tensor, layer_offset: int = 0) -> BatchStore:
-        return BatchStore(self.pool, write_slots, read_slots, layer_offset)
+    def view(
+        self, write_slots: torch.Tensor, read_slots: torch.Tensor, layer_offset: int = 0, valid: int | None = None
+    ) -> BatchStore:
+        """A forward's view. ``valid``: the number of leading read slots that matter (the rest are masked padding);
+        when there is one request and those slots are consecutive, every layer reads its keys in place (see
+        ``contiguous_start``) instead of gathering a copy of them."""
+        start = None if valid is None else contiguous_start(read_slots, valid, self.pool.shape[1])
+        return BatchStore(self.pool, write_slots, read_slots, layer_offset, start)
+
+
+def contiguous_start(read_slots: torch.Tensor, valid: int, num_slots: int) -> int | None:
+    """The first slot when read_slots [1, S] holds one request whose first ``valid`` slots are consecutive and the
+    S slots from there stay inside the pool (the padding rows then read whatever follows, masked); else None.
+    At depth this saves every layer a copy of the request's whole context (16k latent rows: 19 MB per layer)."""
+    if read_slots.shape[0] != 1 or valid < 1:
+        return None
+    run = read_slots[0, :valid]
+    start = int(run[0])
+    if start + read_slots.shape[1] > num_slots or int(run[-1]) - start != valid - 1:
+        return None
+    return start if valid < 3 or bool((run.diff() == 1).all()) else None
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,6 @@ from dspark.profiling import scope
 from dspark.spec.propose import Proposal, SamplingTensors, draft_block, ngram_propose
 from dspark.spec.rng import round_counters
 
-
 KEY_BUCKET = 64  # key counts of a forward are rounded up to a multiple of this (see padded_keys)
 
 
@@ -139,7 +138,8 @@ class ModelRunner:
         states wait for ``commit_states`` (per_row_states: keep the state after every row, for verification)."""
         with scope("step.metadata"):
             batch = self.build(reqs, starts, tokens)
-        store = self.pool.view(batch.write_slots, batch.read_slots)
+        valid = max(s + len(t) for s, t in zip(starts, tokens))
+        store = self.pool.view(batch.write_slots, batch.read_slots, valid=valid)
         rows = (batch.lengths - 1)[:, None] if last_only else None
         extra = self._state_args(reqs, starts, batch, per_row_states)
         extra |= self.tap_args
@@ -147,7 +147,7 @@ class ModelRunner:
             out = self.target(batch.ids, batch.positions, batch.mask, store, self.taps, logits_rows=rows, **extra)
         if self.drafter is not None and out.taps is not None:
             assert self.draft_pool is not None
-            draft_store = self.draft_pool.view(batch.write_slots, batch.read_slots, self.draft_layer_offset)
+            draft_store = self.draft_pool.view(batch.write_slots, batch.read_slots, self.draft_layer_offset, valid)
             with scope("draft.context"):
                 self.drafter.inject_context(out.taps, batch.positions, draft_store)
         assert out.logits is not None
@@ -174,7 +174,8 @@ class ModelRunner:
             else:
                 read, rows = self.window_slots(reqs, positions, self.draft_window)
             assert self.draft_pool is not None
-            context = self.draft_pool.view(read[:, :0], read, self.draft_layer_offset)  # read only: no new rows
+            valid = int(rows.max()) if len(reqs) else 0  # a window's rows start mid-page: consecutive all the same
+            context = self.draft_pool.view(read[:, :0], read, self.draft_layer_offset, valid)  # read only
         return draft_block(
             self.drafter, anchors, positions, context, sampling, probabilistic, use_markov, topk, context_rows=rows
         )
