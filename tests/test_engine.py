@@ -119,13 +119,23 @@ def _chi_square(counts, expected):
     return float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()), int(keep.sum()) - 1
 
 
-@pytest.mark.parametrize("rule,draw", [("standard", "probabilistic"), ("block", "probabilistic"), ("block", "greedy")])
-def test_sampled_output_matches_target_distribution(rule, draw, biased=False):
+@pytest.mark.parametrize(
+    "rule,draw,draft_vocab",
+    [
+        ("standard", "probabilistic", None),
+        ("block", "probabilistic", None),
+        ("block", "greedy", None),
+        ("standard", "probabilistic", [0, 2, 3, 5, 6, 9]),  # a reduced draft vocabulary: q = 0 on 1, 4, 7, 8
+        ("block", "probabilistic", [9, 5, 1, 0, 7]),
+    ],
+)
+def test_sampled_output_matches_target_distribution(rule, draw, draft_vocab, biased=False):
     V = 10
     tcfg = tiny_target_config(vocab_size=V, moe=False)
     target, drafter = build_tiny_pair(5, tcfg, tiny_draft_config(tcfg, markov_rank=4))
     with torch.no_grad():  # soften the target so many tokens have real mass
         target.lm_head.weight.mul_(0.25)
+    drafter.restrict_vocab(None if draft_vocab is None else torch.tensor(draft_vocab))
     prompt = [0, 5, 6]
     exact = _exact_two_token_distribution(target, prompt, V)
     n = 3000
@@ -238,7 +248,7 @@ def test_statistical_test_has_power(monkeypatch):
     monkeypatch.setattr(
         verify, "residual_sample", lambda p, q, w, u: original(p, torch.zeros_like(q), torch.ones_like(w), u)
     )
-    test_sampled_output_matches_target_distribution("standard", "probabilistic", biased=True)
+    test_sampled_output_matches_target_distribution("standard", "probabilistic", None, biased=True)
 
 
 def test_cache_report_bytes_per_token():

@@ -1098,6 +1098,9 @@ class SpeculativeConfig:
     cost_table_path: str | None = None
     min_verify_len: int = 0
     draft_window: int | None = None  # drafter attends to the last W context tokens (the target to all); None: all
+    # drafts only from the N most frequent tokens of the drafter's draft_vocab.json (EAGLE-3's reduced draft vocab);
+    # None: the file's default_size (full vocabulary without the file); 0: full vocabulary
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         src = "speculative config"
@@ -1118,15 +1121,24 @@ class SpeculativeConfig:
             raise _fail(src, "prompt_lookup_min", self.prompt_lookup_min, "need 1 <= min <= prompt_lookup_max")
         if not 0 <= self.min_verify_len <= self.num_speculative_tokens:
             raise _fail(src, "min_verify_len", self.min_verify_len, "must be in [0, num_speculative_tokens]")
-        if self.draft_window is not None and (
-            not isinstance(self.draft_window, int) or isinstance(self.draft_window, bool) or self.draft_window < 1
-        ):
-            raise _fail(src, "draft_window", self.draft_window, "must be null or a positive integer (context tokens)")
-        if self.draft_window is not None and self.method == "ngram":
-            raise _fail(src, "draft_window", self.draft_window, "bounds a drafter's attention; n-gram has none")
+        self._check_drafter_keys(src)
         if self.enable_adaptive_verification and self.method == "ngram":
             raise _fail(src, "enable_adaptive_verification", True, "needs a drafter with a confidence head")
         _warn_substitute(self.attention_backend, src)
+
+    def _check_drafter_keys(self, src: str) -> None:
+        """draft_window and draft_vocab_size: null or integers in range, and only for methods with a drafter."""
+        for key, low, fix in (
+            ("draft_window", 1, "must be null or a positive integer (context tokens)"),
+            ("draft_vocab_size", 0, "must be null, 0 (the full vocabulary) or a positive number of draft tokens"),
+        ):
+            value = getattr(self, key)
+            if value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise _fail(src, key, value, fix)
+            if value and self.method == "ngram":
+                raise _fail(src, key, value, "applies to a drafter; n-gram has none")
 
     @property
     def draft_attention_backend(self) -> str | None:

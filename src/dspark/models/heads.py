@@ -75,11 +75,15 @@ class MarkovHead(nn.Module):
         anchor: torch.Tensor,
         pick: Picker,
         topk: int | None = None,
+        w2: nn.Module | None = None,
     ) -> MarkovSample:
         """Serial path. base_logits [B, K, V], hidden [B, K, D], anchor [B] → drafts and corrected logits.
 
-        topk restricts the correction (and so q) to the top-k base candidates per slot.
+        topk restricts the correction (and so q) to the top-k base candidates per slot. ``w2`` replaces W2 when the
+        base logits cover a reduced draft vocabulary (its rows of W2); ``pick`` then maps a draft index to the
+        target token id that feeds W1 next.
         """
+        w2 = self.markov_w2 if w2 is None else w2
         B, K, V = base_logits.shape
         prev = anchor
         state = hidden.new_zeros(B, self.rank) if self.head_type == "rnn" else None
@@ -89,10 +93,10 @@ class MarkovHead(nn.Module):
             e = self.markov_w1(prev)  # [B, r]
             feats, state = self._mix(e, hidden[:, k], state)
             if cand is None:
-                corrected = base_logits[:, k] + self.markov_w2(feats).to(base_logits.dtype)
+                corrected = base_logits[:, k] + w2(feats).to(base_logits.dtype)
             else:
-                w2 = self.markov_w2.weight[cand[:, k]]  # [B, k, r]
-                bias = torch.einsum("bkr,br->bk", w2, feats.to(w2.dtype))
+                rows = w2.weight[cand[:, k]]  # [B, k, r]
+                bias = torch.einsum("bkr,br->bk", rows, feats.to(rows.dtype))
                 corrected = torch.full_like(base_logits[:, k], float("-inf"))
                 corrected.scatter_(1, cand[:, k], base_logits[:, k].gather(1, cand[:, k]) + bias.to(corrected.dtype))
             prev = pick(corrected, k)

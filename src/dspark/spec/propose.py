@@ -81,7 +81,8 @@ def draft_block(
     with scope("draft.backbone"):
         out = drafter(block, positions, mask, store=BlockKeys(context), compute_logits=False)
         hidden = out.hidden[:, :K]  # [B, K, D]
-        base = drafter.lm_head(hidden).float()  # [B, K, V]
+        vocab = drafter.draft_vocab  # a reduced draft vocabulary: logits over its N ids only
+        base = (drafter.lm_head if vocab is None else vocab.lm_head)(hidden).float()  # [B, K, V or N]
     u = None
     probabilistic = probabilistic and not all_greedy(sampling.temperature)  # all greedy: q is one-hot at d (None)
     if probabilistic:  # greedy drafting draws no uniforms
@@ -90,15 +91,18 @@ def draft_block(
 
     def pick(corrected: torch.Tensor, k: int) -> torch.Tensor:
         if u is None:
-            return corrected.argmax(-1)
-        q = process_logits(corrected[:, None], sampling.temperature, sampling.top_k, sampling.top_p)[:, 0]
-        qs.append(q)
-        return sample_inverse_cdf(q, u[:, k])
+            index = corrected.argmax(-1)
+        else:
+            q = process_logits(corrected[:, None], sampling.temperature, sampling.top_k, sampling.top_p)[:, 0]
+            qs.append(q if vocab is None else vocab.expand(q, drafter.config.vocab_size))  # q over the target vocab
+            index = sample_inverse_cdf(q, u[:, k])
+        return index if vocab is None else vocab.to_target(index)
 
     head = drafter.markov_head if use_markov else None
     with scope("draft.markov"):
         if head is not None:
-            tokens = head.sample(base, hidden, anchors, pick, topk).tokens
+            w2 = None if vocab is None else vocab.markov_w2
+            tokens = head.sample(base, hidden, anchors, pick, topk, w2).tokens
         else:  # DFlash: base logits only
             tokens = torch.stack([pick(base[:, k], k) for k in range(K)], 1)
     with scope("draft.confidence"):

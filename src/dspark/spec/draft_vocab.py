@@ -1,0 +1,157 @@
+"""A reduced draft vocabulary (EAGLE-3's ``draft_vocab_size``, vLLM's d2t map): the drafter scores only the N most
+frequent tokens of the target's own responses, so its lm_head and Markov W2 products shrink from V to N rows.
+
+Lossless by construction: a draft is still a target token id, the draft distribution q is zero outside the N ids,
+and verification (standard or block) accepts or rejects against the target's distribution over all V tokens; only
+the acceptance rate can change (a token outside the N is never proposed).
+
+File ``draft_vocab.json`` in the drafter's directory, written by
+``python -m dspark.spec.draft_vocab --data-dir DATASET --out DRAFT_DIR/draft_vocab.json``:
+``token_ids`` (every response token seen, most frequent first), ``counts``, ``default_size`` (what an engine uses
+when the speculative config leaves ``draft_vocab_size`` unset), ``coverage`` (share of response tokens inside the
+first N, for a few N) and ``source``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dspark.config import ConfigError
+from dspark.models.packing import Linear
+
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
+@dataclass(frozen=True)
+class DraftVocab:
+    """The N draft ids and the row-sliced products that score them."""
+
+    ids: torch.Tensor  # [N] long: draft index i is target token ids[i]
+    lm_head: Linear  # [N, D]: rows ids of the lm_head the drafter reads
+    markov_w2: Linear | None  # [N, r]: rows ids of the Markov head's W2
+
+    @classmethod
+    def build(cls, ids: torch.Tensor, lm_head: torch.Tensor, markov_w2: torch.Tensor | None) -> DraftVocab:
+        """ids [N]; the full lm_head weight [V, D] and W2 weight [V, r] (or None) whose rows are sliced."""
+        with torch.inference_mode(False), torch.no_grad():
+            ids = ids.to(torch.long).clone()
+            head = _rows(lm_head, ids)
+            w2 = None if markov_w2 is None else _rows(markov_w2, ids)
+        return cls(ids, head, w2)
+
+    @property
+    def size(self) -> int:
+        return int(self.ids.shape[0])
+
+    def to_target(self, index: torch.Tensor) -> torch.Tensor:
+        """Draft indices → target token ids."""
+        return self.ids[index]
+
+    def expand(self, q: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """q [B, N] over the draft ids → [B, V] over the target vocabulary (zero outside the N ids)."""
+        return q.new_zeros(q.shape[0], vocab_size).index_copy_(1, self.ids, q)
+
+
+def _rows(weight: torch.Tensor, ids: torch.Tensor) -> Linear:
+    lin = Linear(weight.shape[1], ids.shape[0], bias=False, dtype=weight.dtype)
+    lin.weight = torch.nn.Parameter(weight.detach().index_select(0, ids).contiguous(), requires_grad=False)
+    return lin
+
+
+def read_draft_vocab(draft_dir: Path | None, size: int | None, vocab_size: int) -> torch.Tensor | None:
+    """The draft ids an engine uses: ``size`` = the speculative config's ``draft_vocab_size`` (None: the file's
+    default_size, or the full vocabulary without a file; 0: the full vocabulary). None means no restriction."""
+    if size == 0:
+        return None
+    path = None if draft_dir is None else Path(draft_dir) / DRAFT_VOCAB_FILE
+    if path is None or not path.is_file():
+        if size is None:
+            return None
+        where = "the drafter was given in memory" if path is None else f"{path} does not exist"
+        raise ConfigError(
+            f"speculative config: key 'draft_vocab_size' = {size} needs the drafter's {DRAFT_VOCAB_FILE}, but {where}; "
+            f"write it with `python -m dspark.spec.draft_vocab --data-dir DATASET --out {path or DRAFT_VOCAB_FILE}` "
+            "or drop the key"
+        )
+    try:
+        data = json.loads(path.read_text())
+        ids, default = data["token_ids"], data.get("default_size")
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ConfigError(
+            f"{path}: not a draft vocabulary ({e}); rewrite it with `python -m dspark.spec.draft_vocab`"
+        ) from e
+    n = default if size is None else size
+    if n is None or n >= vocab_size:
+        return None
+    if not isinstance(n, int) or n < 1 or n > len(ids):
+        raise ConfigError(
+            f"{path}: draft_vocab_size {n!r} is invalid: the file ranks {len(ids)} token ids; use 1..{len(ids)} "
+            "(or 0 for the full vocabulary)"
+        )
+    chosen = torch.tensor(ids[:n], dtype=torch.long)
+    if int(chosen.min()) < 0 or int(chosen.max()) >= vocab_size or chosen.unique().numel() != n:
+        raise ConfigError(f"{path}: token_ids must be distinct ids in [0, {vocab_size}); rewrite the file")
+    return chosen
+
+
+def rank_tokens(data_dirs: list[Path]) -> tuple[list[int], list[int], int]:
+    """Count the supervised (response) tokens of the train/validation .npz datasets in ``data_dirs``: ids by
+    descending count (ties: lower id first), their counts, and the total."""
+    counts: np.ndarray | None = None
+    for d in data_dirs:
+        files = [f for f in (d / "train.npz", d / "validation.npz") if f.is_file()]
+        if not files:
+            raise ConfigError(f"{d}: no train.npz or validation.npz (a `dspark chat-data` / `draft-data` output dir)")
+        for f in files:
+            with np.load(f) as z:
+                tokens = z["tokens"][z["loss_mask"].astype(bool)].astype(np.int64)
+            c = np.bincount(tokens)
+            counts = c if counts is None else _add(counts, c)
+    assert counts is not None
+    order = sorted(np.flatnonzero(counts).tolist(), key=lambda t: (-int(counts[t]), t))
+    return order, [int(counts[t]) for t in order], int(counts.sum())
+
+
+def _add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    n = max(len(a), len(b))
+    return np.pad(a, (0, n - len(a))) + np.pad(b, (0, n - len(b)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m dspark.spec.draft_vocab",
+        description="Rank the response tokens of drafter datasets and write draft_vocab.json (a reduced draft vocab).",
+    )
+    p.add_argument("--data-dir", action="append", required=True, help="dataset dir with train.npz (repeatable)")
+    p.add_argument("--out", required=True, help=f"output file (the drafter's {DRAFT_VOCAB_FILE})")
+    p.add_argument("--default-size", type=int, default=None, help="N an engine uses by default (unset: full vocab)")
+    args = p.parse_args(argv)
+    ids, counts, total = rank_tokens([Path(d) for d in args.data_dir])
+    if args.default_size is not None and not 1 <= args.default_size <= len(ids):
+        p.error(f"--default-size {args.default_size}: the data ranks {len(ids)} distinct tokens; use 1..{len(ids)}")
+    cum = np.cumsum(counts)
+    marks = [n for n in (1024, 2048, 4096, 8192, 16384, 32768) if n < len(ids)] + [len(ids)]
+    coverage = {str(n): round(float(cum[n - 1] / total), 5) for n in marks}
+    out = {
+        "token_ids": ids,
+        "counts": counts,
+        "default_size": args.default_size,
+        "coverage": coverage,
+        "source": {"data_dirs": [str(d) for d in args.data_dir], "response_tokens": total},
+    }
+    path = Path(args.out)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(out) + "\n")
+    tmp.replace(path)  # never half-written
+    print(f"wrote {path}: {len(ids)} distinct response tokens of {total}; coverage {coverage}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
