@@ -83,9 +83,10 @@ def _dataset(path, tokens, mask):
 
 
 def test_the_tool_ranks_response_tokens_and_the_engine_reads_its_file(tmp_path):
-    _dataset(tmp_path / "d", [9, 9, 4, 4, 4, 7, 2, 2], [0, 0, 1, 1, 1, 1, 1, 1])  # prompt tokens (9) are not counted
+    _dataset(tmp_path / "d", [9, 9, 4, 4, 4, 7, 2, 2], [0, 0, 1, 1, 1, 1, 1, 1])  # prompt tokens (9) rank after
     ids, counts, total = rank_tokens([tmp_path / "d"])
-    assert (ids, counts, total) == ([4, 2, 7], [3, 2, 1], 6)
+    assert (ids, counts, total) == ([4, 2, 7, 9], [3, 2, 1, 0], 6)
+    assert rank_tokens([tmp_path / "d"], vocab_size=11)[0] == [4, 2, 7, 9, 0, 1, 3, 5, 6, 8, 10]  # then unseen ids
     draft_dir = tmp_path / "draft"
     draft_dir.mkdir()
     assert (
@@ -95,9 +96,10 @@ def test_the_tool_ranks_response_tokens_and_the_engine_reads_its_file(tmp_path):
     assert read_draft_vocab(draft_dir, None, 100).tolist() == [4, 2]  # the file's default
     assert read_draft_vocab(draft_dir, 3, 100).tolist() == [4, 2, 7]
     assert read_draft_vocab(draft_dir, 0, 100) is None  # 0: the full vocabulary
+    assert read_draft_vocab(draft_dir, 4, 4) is None  # N >= the vocabulary: no restriction
     assert read_draft_vocab(tmp_path, None, 100) is None  # no file, no key: the full vocabulary
-    with pytest.raises(ConfigError, match="ranks 3 token ids"):
-        read_draft_vocab(draft_dir, 4, 100)
+    with pytest.raises(ConfigError, match="ranks 4 token ids"):
+        read_draft_vocab(draft_dir, 5, 100)
     with pytest.raises(ConfigError, match="draft_vocab.json.*does not exist"):
         read_draft_vocab(tmp_path, 8, 100)
     (draft_dir / DRAFT_VOCAB_FILE).write_text("{}")

@@ -53,6 +53,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         context_prompts=args.context_prompts,
         context_source=args.context_source,
         draft_window=args.draft_window,
+        draft_vocab_size=args.draft_vocab_size,
         dtype=args.dtype,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
@@ -124,6 +125,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="also run 'dspark-window': dspark with draft_window W (the drafter reads the last W context tokens)",
+    )
+    p.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=None,
+        help="also run 'dspark-vocab': dspark drafting from the drafter's N most frequent tokens (draft_vocab.json; "
+        "0: the full vocabulary)",
     )
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     p.add_argument("--seed", type=int, default=0)

@@ -29,7 +29,7 @@ from dspark.engine.metrics import DecodeTimes, tau_bound
 from dspark.sampling_params import SamplingParams
 
 AR = "ar"
-ENGINE_METHODS = ("ar", "dspark", "dflash", "ngram", "dspark-adaptive", "dspark-window")
+ENGINE_METHODS = ("ar", "dspark", "dflash", "ngram", "dspark-adaptive", "dspark-window", "dspark-vocab")
 HF_METHODS = ("hf-generate", "hf-prompt-lookup")
 VLLM_METHODS = ("vllm", "vllm-ngram")
 ALL_METHODS = ENGINE_METHODS + HF_METHODS + VLLM_METHODS
@@ -39,6 +39,7 @@ DISPLAY_ORDER = (
     "ar",
     "dspark",
     "dspark-window",
+    "dspark-vocab",
     "dspark-adaptive",
     "dflash",
     "ngram",
@@ -215,6 +216,7 @@ class BenchConfig:
     context_prompts: int = 4
     context_source: str | None = None  # corpus-format JSONL (default: the committed held-out sources)
     draft_window: int | None = None  # adds 'dspark-window': dspark with the drafter reading the last W context tokens
+    draft_vocab_size: int | None = None  # adds 'dspark-vocab': dspark with draft_vocab_size N (0: the full vocabulary)
     dtype: str = "bfloat16"
     seed: int = 0
     ignore_eos: bool = False
@@ -236,6 +238,10 @@ class BenchConfig:
             raise ConfigError(f"bench: --draft-window must be a positive token count, got {self.draft_window}")
         if "dspark-window" in (self.baselines or ()) and self.draft_window is None:
             raise ConfigError("bench: method 'dspark-window' needs --draft-window W")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 0:
+            raise ConfigError(f"bench: --draft-vocab-size must be >= 0 (0: all tokens), got {self.draft_vocab_size}")
+        if "dspark-vocab" in (self.baselines or ()) and self.draft_vocab_size is None:
+            raise ConfigError("bench: method 'dspark-vocab' needs --draft-vocab-size N")
         unknown = sorted(set(self.baselines or ()) - set(ALL_METHODS))
         if unknown:
             raise ConfigError(f"bench: unknown method(s) {unknown}; choose from {list(ALL_METHODS)}")
@@ -299,6 +305,7 @@ def method_names(cfg: BenchConfig, res: Resolved, notes: list[str]) -> list[str]
     names = [AR]
     if res.draft_dir is not None:
         names += ["dspark"] + (["dspark-window"] if cfg.draft_window is not None else [])
+        names += ["dspark-vocab"] if cfg.draft_vocab_size is not None else []
     else:
         notes.append("dspark: skipped (no drafter for this target; pass --draft DIR)")
     listed = list(cfg.baselines) if cfg.baselines is not None else _applicable(cfg, res, notes)
@@ -347,7 +354,9 @@ def _calibration_file(res: Resolved) -> Path | None:
     return None
 
 
-def _spec_for(name: str, res: Resolved, k: int, window: int | None = None) -> dict[str, Any] | None:
+def _spec_for(
+    name: str, res: Resolved, k: int, window: int | None = None, vocab: int | None = None
+) -> dict[str, Any] | None:
     if name == AR:
         return None
     if name == "ngram":
@@ -361,6 +370,8 @@ def _spec_for(name: str, res: Resolved, k: int, window: int | None = None) -> di
         spec["enable_adaptive_verification"] = True
     if name == "dspark-window":
         spec["draft_window"] = window
+    if name == "dspark-vocab":
+        spec["draft_vocab_size"] = vocab
     return spec
 
 
@@ -445,6 +456,7 @@ def _report_config(cfg: BenchConfig, res: Resolved, k: int, num_prompts: int, la
         "context_depths": list(cfg.context_depths),
         "context_prompts": cfg.context_prompts,
         "draft_window": cfg.draft_window,
+        "draft_vocab_size": cfg.draft_vocab_size,
         "dtype": cfg.dtype,
         "seed": cfg.seed,
         "ignore_eos": cfg.ignore_eos,
@@ -468,7 +480,7 @@ def _measure_ours(
     num_pages = max([_pages_needed([len(p) for p in c.prompts], c.concurrency, extra, page) for c in cells])
     engines = build_engines(
         res.target_dir,
-        [_spec_for(n, res, k, cfg.draft_window) for n in engine_names],
+        [_spec_for(n, res, k, cfg.draft_window, cfg.draft_vocab_size) for n in engine_names],
         dtype=cfg.dtype,
         max_num_seqs=max(cfg.concurrency),
         num_pages=num_pages + max(cfg.concurrency),

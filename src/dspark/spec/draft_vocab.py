@@ -7,9 +7,9 @@ the acceptance rate can change (a token outside the N is never proposed).
 
 File ``draft_vocab.json`` in the drafter's directory, written by
 ``python -m dspark.spec.draft_vocab --data-dir DATASET --out DRAFT_DIR/draft_vocab.json``:
-``token_ids`` (every response token seen, most frequent first), ``counts``, ``default_size`` (what an engine uses
-when the speculative config leaves ``draft_vocab_size`` unset), ``coverage`` (share of response tokens inside the
-first N, for a few N) and ``source``.
+``token_ids`` (most frequent response tokens first, then prompt tokens, then unseen ids), ``counts``,
+``default_size`` (what an engine uses when the speculative config leaves ``draft_vocab_size`` unset), ``coverage``
+(share of response tokens inside the first N, for a few N) and ``source``.
 """
 
 from __future__ import annotations
@@ -100,22 +100,26 @@ def read_draft_vocab(draft_dir: Path | None, size: int | None, vocab_size: int) 
     return chosen
 
 
-def rank_tokens(data_dirs: list[Path]) -> tuple[list[int], list[int], int]:
-    """Count the supervised (response) tokens of the train/validation .npz datasets in ``data_dirs``: ids by
-    descending count (ties: lower id first), their counts, and the total."""
-    counts: np.ndarray | None = None
+def rank_tokens(data_dirs: list[Path], vocab_size: int | None = None) -> tuple[list[int], list[int], int]:
+    """Rank token ids for drafting from the train/validation .npz datasets in ``data_dirs``: by count among the
+    supervised (response) tokens, then by count among prompt tokens, then (with ``vocab_size``, so that ids the
+    data never showed are ranked too) by id, since BPE gives low ids to early, frequent merges. Returns the ids,
+    their response counts and the number of response tokens."""
+    resp, prompt = np.zeros(0, np.int64), np.zeros(0, np.int64)
     for d in data_dirs:
         files = [f for f in (d / "train.npz", d / "validation.npz") if f.is_file()]
         if not files:
             raise ConfigError(f"{d}: no train.npz or validation.npz (a `dspark chat-data` / `draft-data` output dir)")
         for f in files:
             with np.load(f) as z:
-                tokens = z["tokens"][z["loss_mask"].astype(bool)].astype(np.int64)
-            c = np.bincount(tokens)
-            counts = c if counts is None else _add(counts, c)
-    assert counts is not None
-    order = sorted(np.flatnonzero(counts).tolist(), key=lambda t: (-int(counts[t]), t))
-    return order, [int(counts[t]) for t in order], int(counts.sum())
+                tokens, mask = z["tokens"].astype(np.int64), z["loss_mask"].astype(bool)
+            resp, prompt = _add(resp, np.bincount(tokens[mask])), _add(prompt, np.bincount(tokens[~mask]))
+    n = max(len(resp), len(prompt), vocab_size or 0)
+    resp, prompt = _add(resp, np.zeros(n, np.int64)), _add(prompt, np.zeros(n, np.int64))
+    seen = resp + prompt > 0
+    candidates = range(n) if vocab_size is not None else np.flatnonzero(seen).tolist()
+    order = sorted(candidates, key=lambda t: (-int(resp[t]), -int(prompt[t]), t))
+    return order, [int(resp[t]) for t in order], int(resp.sum())
 
 
 def _add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -131,8 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", action="append", required=True, help="dataset dir with train.npz (repeatable)")
     p.add_argument("--out", required=True, help=f"output file (the drafter's {DRAFT_VOCAB_FILE})")
     p.add_argument("--default-size", type=int, default=None, help="N an engine uses by default (unset: full vocab)")
+    p.add_argument("--vocab-size", type=int, default=None, help="also rank ids the data never showed (by id)")
+    p.add_argument("--max-size", type=int, default=32768, help="ids kept in the file (default 32768)")
     args = p.parse_args(argv)
-    ids, counts, total = rank_tokens([Path(d) for d in args.data_dir])
+    ids, counts, total = rank_tokens([Path(d) for d in args.data_dir], args.vocab_size)
+    ids, counts = ids[: args.max_size], counts[: args.max_size]
     if args.default_size is not None and not 1 <= args.default_size <= len(ids):
         p.error(f"--default-size {args.default_size}: the data ranks {len(ids)} distinct tokens; use 1..{len(ids)}")
     cum = np.cumsum(counts)
@@ -149,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(out) + "\n")
     tmp.replace(path)  # never half-written
-    print(f"wrote {path}: {len(ids)} distinct response tokens of {total}; coverage {coverage}")
+    print(f"wrote {path}: {len(ids)} ranked token ids, {total} response tokens; in-sample coverage {coverage}")
     return 0
 
 
