@@ -495,3 +495,12 @@ def test_package_direction_checkpoint_models_doctor() -> None:
     assert imports("dspark.checkpoint", "dspark.models") == []
     assert imports("dspark.checkpoint", "dspark.doctor") == []
     assert imports("dspark.models", "dspark.doctor") == []
+
+
+def test_a_bad_draft_vocab_file_is_reported(pair: tuple[Path, Path]) -> None:
+    target, draft = pair
+    (draft / "draft_vocab.json").write_text(json.dumps({"token_ids": [3, 3, 5], "default_size": 3}))
+    report = run_checks(draft, target)
+    assert "token_ids must be distinct ids in [0, 96)" in messages(report, "vocab")
+    (draft / "draft_vocab.json").write_text(json.dumps({"token_ids": [3, 4, 5], "default_size": 2}))
+    assert "vocab" not in checks_of(run_checks(draft, target))

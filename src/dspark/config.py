@@ -23,6 +23,12 @@ class ConfigError(ValueError):
     """A configuration value is missing or invalid; the message names the key and the fix."""
 
 
+REDUCED_VOCAB_FIX = (
+    "checkpoints with their own reduced lm_head (d2t maps) are not supported: set it to vocab_size and reduce at "
+    "inference instead (draft_vocab.json, speculative config draft_vocab_size)"
+)
+
+
 def _fail(source: str, key: str, value: Any, fix: str) -> ConfigError:
     return ConfigError(f"{source}: key '{key}' = {value!r} is invalid: {fix}")
 
@@ -843,7 +849,7 @@ class DraftConfig:
                 f"each id must be in [-1, target_num_hidden_layers={self.target_num_hidden_layers})",
             )
         if self.draft_vocab_size not in (None, self.vocab_size):
-            raise _fail(src, "draft_vocab_size", self.draft_vocab_size, "a reduced draft vocabulary is not supported")
+            raise _fail(src, "draft_vocab_size", self.draft_vocab_size, REDUCED_VOCAB_FIX)
         if self.is_gqa:
             _positive(src, num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim)
             if self.num_attention_heads % (self.num_key_value_heads or 1):

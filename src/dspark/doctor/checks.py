@@ -477,10 +477,11 @@ def check_vocab(ctx: _Context) -> list[Problem]:
         problems.append(
             Problem(
                 f"{src}: draft_vocab_size = {dv!r} differs from vocab_size = {v}",
-                f"a reduced draft vocabulary is not supported; set draft_vocab_size to {v}",
+                f"checkpoints with their own reduced lm_head (d2t maps) are not supported; set draft_vocab_size to "
+                f"{v} and reduce at inference instead (draft_vocab.json, speculative config draft_vocab_size)",
             )
         )
-    problems += _draft_vocab_rows(ctx, v)
+    problems += _draft_vocab_rows(ctx, v) + _draft_vocab_file(ctx.draft_dir, v)
     if ctx.target_dir is None or ctx.target_config_read[0] is None:
         return problems
     return problems + _target_vocab(ctx, v)
@@ -505,6 +506,20 @@ def _draft_vocab_rows(ctx: _Context, v: int) -> list[Problem]:
                     )
                 )
     return problems
+
+
+def _draft_vocab_file(draft_dir: Path, v: int) -> list[Problem]:
+    """A draft_vocab.json next to the weights must rank distinct ids of this vocabulary, its default within it."""
+    from dspark.config import ConfigError
+    from dspark.spec.draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab
+
+    if not (draft_dir / DRAFT_VOCAB_FILE).is_file():
+        return []
+    try:
+        read_draft_vocab(draft_dir, None, v)
+    except ConfigError as e:
+        return [Problem(str(e), "rewrite it with `python -m dspark.spec.draft_vocab` or delete it (full vocabulary)")]
+    return []
 
 
 def _target_vocab(ctx: _Context, v: int) -> list[Problem]:
