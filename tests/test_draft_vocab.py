@@ -9,9 +9,9 @@ import torch
 from dspark.config import ConfigError, EngineConfig, SpeculativeConfig
 from dspark.engine.engine import Engine
 from dspark.llm import LLM
-from dspark.models.tiny import build_tiny_pair, tiny_draft_config, tiny_target_config
+from dspark.models.tiny import build_tiny_pair, tiny_draft_config, tiny_target_config, write_tiny_pair
 from dspark.sampling_params import SamplingParams
-from dspark.spec.draft_vocab import DRAFT_VOCAB_FILE, main, rank_tokens, read_draft_vocab
+from dspark.spec.draft_vocab import DRAFT_VOCAB_FILE, DraftVocab, main, rank_tokens, read_draft_vocab
 
 FP32 = EngineConfig(dtype="float32", max_num_seqs=8)
 
@@ -29,11 +29,11 @@ def test_greedy_speculation_with_a_reduced_draft_vocab_equals_target_only(k):
     params = [SamplingParams(temperature=0, max_tokens=10 + 3 * i) for i in range(5)]
     ref = [o.token_ids for o in LLM.from_engine(Engine(target, None, None, FP32)).generate(prompts, params)]
     ids = torch.randperm(tcfg.vocab_size, generator=torch.Generator().manual_seed(k))[: tcfg.vocab_size // 3]
-    drafter.restrict_vocab(ids)
-    assert drafter.draft_vocab is not None and drafter.draft_vocab.size == tcfg.vocab_size // 3
     for method, draw in (("dspark", "probabilistic"), ("dspark", "greedy"), ("dflash", "greedy")):
         spec = SpeculativeConfig(method=method, num_speculative_tokens=k, draft_sample_method=draw)
         eng = Engine(target, drafter, spec, FP32)
+        eng.restrict_draft_vocab(ids)
+        assert eng.runner.draft_vocab is not None and eng.runner.draft_vocab.size == tcfg.vocab_size // 3
         drafts: list[torch.Tensor] = []
         eng.runner.propose_draft = _recording(eng.runner.propose_draft, drafts)
         got = [o.token_ids for o in LLM.from_engine(eng).generate(prompts, params)]
@@ -54,9 +54,10 @@ def test_restricted_logits_are_rows_of_the_full_ones():
     tcfg = tiny_target_config(moe=False)
     _, drafter = build_tiny_pair(0, tcfg, tiny_draft_config(tcfg))
     ids = torch.tensor([5, 1, 40, 7])
-    drafter.restrict_vocab(ids)
+    keys = set(drafter.state_dict())
+    vocab = DraftVocab.for_drafter(drafter, ids)
+    assert set(drafter.state_dict()) == keys  # nothing added to the drafter (never saved, never trained)
     h = torch.randn(2, 3, tcfg.hidden_size)
-    vocab = drafter.draft_vocab
     with torch.no_grad():
         torch.testing.assert_close(vocab.lm_head(h), drafter.lm_head(h)[..., ids])
         w2 = drafter.markov_head.markov_w2
@@ -66,9 +67,24 @@ def test_restricted_logits_are_rows_of_the_full_ones():
     full = vocab.expand(q, tcfg.vocab_size)
     assert full.shape == (2, tcfg.vocab_size) and torch.equal(full[:, ids], q)
     torch.testing.assert_close(full.sum(), q.sum())
-    drafter.restrict_vocab(None)
-    assert drafter.draft_vocab is None
-    assert not any("lm_head" in n for n in drafter.state_dict())  # never saved
+
+
+def test_engines_sharing_one_loaded_drafter_keep_their_own_draft_vocab(tmp_path):
+    from dspark.llm import build_engines
+
+    target_dir, draft_dir = write_tiny_pair(tmp_path / "pair", 0)
+    (draft_dir / DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": list(range(40, 0, -1)), "default_size": 24}))
+    specs = [
+        {"method": "dspark", "model": str(draft_dir)},
+        {"method": "dspark", "model": str(draft_dir), "draft_vocab_size": 0},
+        {"method": "dspark", "model": str(draft_dir), "draft_vocab_size": 8},
+    ]
+    engines = build_engines(target_dir, specs, dtype="float32")
+    assert engines[0].drafter is engines[1].drafter is engines[2].drafter  # one loaded drafter
+    sizes = [None if e.runner.draft_vocab is None else e.runner.draft_vocab.size for e in engines]
+    assert sizes == [24, None, 8]
+    outs = [LLM.from_engine(e).generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=12))[0] for e in engines]
+    assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids
 
 
 def _dataset(path, tokens, mask):

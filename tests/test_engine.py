@@ -135,7 +135,6 @@ def test_sampled_output_matches_target_distribution(rule, draw, draft_vocab, bia
     target, drafter = build_tiny_pair(5, tcfg, tiny_draft_config(tcfg, markov_rank=4))
     with torch.no_grad():  # soften the target so many tokens have real mass
         target.lm_head.weight.mul_(0.25)
-    drafter.restrict_vocab(None if draft_vocab is None else torch.tensor(draft_vocab))
     prompt = [0, 5, 6]
     exact = _exact_two_token_distribution(target, prompt, V)
     n = 3000
@@ -145,6 +144,7 @@ def test_sampled_output_matches_target_distribution(rule, draw, draft_vocab, bia
     eng = Engine(
         target, drafter, spec, EngineConfig(dtype="float32", max_num_seqs=64), CacheConfig(num_pages=1024, page_size=4)
     )
+    eng.restrict_draft_vocab(None if draft_vocab is None else torch.tensor(draft_vocab))
     params = [SamplingParams(temperature=1.0, max_tokens=2, seed=s, ignore_eos=True) for s in range(n)]
     outs = LLM.from_engine(eng).generate([prompt] * n, params)
     counts = torch.zeros(V, V)
@@ -157,15 +157,9 @@ def test_sampled_output_matches_target_distribution(rule, draw, draft_vocab, bia
         return
     assert stat < dof + 4 * (2 * dof) ** 0.5, (stat, dof)  # ~4 sigma
     # reproducibility: the same seeds give the same outputs in a different batch composition
-    again = LLM.from_engine(
-        Engine(
-            target,
-            drafter,
-            spec,
-            EngineConfig(dtype="float32", max_num_seqs=3),
-            CacheConfig(num_pages=256, page_size=4),
-        )
-    ).generate([prompt] * 5, params[:5])
+    other = Engine(target, drafter, spec, EngineConfig(dtype="float32", max_num_seqs=3), CacheConfig(page_size=4, num_pages=256))
+    other.restrict_draft_vocab(None if draft_vocab is None else torch.tensor(draft_vocab))
+    again = LLM.from_engine(other).generate([prompt] * 5, params[:5])
     assert [o.token_ids for o in again] == [o.token_ids for o in outs[:5]]
 
 

@@ -30,7 +30,7 @@ from dspark.models.protocol import Target
 from dspark.profiling import scope
 from dspark.sampling_params import SamplingParams
 from dspark.spec.accept import accept, sample_next
-from dspark.spec.draft_vocab import read_draft_vocab
+from dspark.spec.draft_vocab import DraftVocab, read_draft_vocab
 from dspark.spec.propose import Proposal, SamplingTensors
 from dspark.spec.schedule import SpsTable, choose_verify_lengths, default_cost_model, load_sts
 from dspark.tokenizer import ByteTokenizer, HFTokenizer
@@ -106,14 +106,9 @@ class Engine:
             target.fuse_for_inference()
         if self.drafter is not None:
             self.drafter.fuse_for_inference()
-            assert self.spec is not None
-            ids = read_draft_vocab(draft_dir, self.spec.draft_vocab_size, self.drafter.config.vocab_size)
-            if ids is not None or self.spec.draft_vocab_size == 0:
-                self.drafter.restrict_vocab(ids)
         self.packed_weights = 0
         if self.cfg.prepack_weights:
-            modules = [target, self.drafter, *self._draft_vocab_products()]
-            self.packed_weights = sum(pack_for_inference(m) for m in modules if m is not None)
+            self.packed_weights = sum(pack_for_inference(m) for m in (target, self.drafter) if m is not None)
         tcfg = target.config
         self.max_model_len = self.cfg.max_model_len or min(tcfg.max_position_embeddings, 32768)
         self.tokenizer = tokenizer or ByteTokenizer(tcfg.vocab_size, tcfg.eos_token_ids, tcfg.bos_token_id)
@@ -133,6 +128,9 @@ class Engine:
         self.states = StatePool(spec, self.cfg.max_num_seqs) if spec is not None else None
         window = self.spec.draft_window if self.spec is not None else None
         self.runner = ModelRunner(target, self.drafter, self.blocks, self.pools, self.states, window)
+        if self.drafter is not None:
+            assert self.spec is not None
+            self.restrict_draft_vocab(read_draft_vocab(draft_dir, self.spec.draft_vocab_size, tcfg.vocab_size))
         self.metrics = EngineMetrics(log_interval_s=self.cfg.log_stats_interval_s)
         self.adaptive = adaptive
         self.requests: dict[str, Request] = {}
@@ -218,9 +216,19 @@ class Engine:
         keys, rows = zip(*sizes)
         return [[items[i] for i in g] for g in length_groups(keys, rows, self.cfg.split_batch_keys)]
 
-    def _draft_vocab_products(self) -> list[torch.nn.Module]:
-        vocab = self.drafter.draft_vocab if self.drafter is not None else None
-        return [] if vocab is None else [m for m in (vocab.lm_head, vocab.markov_w2) if m is not None]
+    def restrict_draft_vocab(self, ids: torch.Tensor | None) -> None:
+        """Draft only the target tokens ``ids`` (a reduced draft vocabulary, ``spec/draft_vocab.py``; None: all).
+        This engine's own row slices of the drafter's lm_head and W2 (packed like its other weights): engines that
+        share one loaded drafter may draft from different vocabularies."""
+        if ids is None or self.drafter is None:
+            self.runner.draft_vocab = None
+            return
+        vocab = DraftVocab.for_drafter(self.drafter, ids)
+        if self.cfg.prepack_weights:
+            for m in (vocab.lm_head, vocab.markov_w2):
+                if m is not None:
+                    self.packed_weights += pack_for_inference(m)
+        self.runner.draft_vocab = vocab
 
     def _isolated(self, phase: Callable[[list], None], items: list, reqs: list[Request]) -> None:
         """Run ``phase(items)``; if it raises, rerun each item alone and fail only the requests that raise alone.

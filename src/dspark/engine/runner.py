@@ -18,6 +18,7 @@ from dspark.engine.request import Request
 from dspark.models.drafter import DSparkDrafter
 from dspark.models.protocol import Target
 from dspark.profiling import scope
+from dspark.spec.draft_vocab import DraftVocab
 from dspark.spec.propose import Proposal, SamplingTensors, draft_block, ngram_propose
 from dspark.spec.rng import round_counters
 
@@ -70,6 +71,7 @@ class ModelRunner:
         # the drafter's stream, passed only when it is not the target's default (K3: "prefix")
         self.tap_args = {"tap_stream": stream} if stream is not None and stream != target.tap_streams[0] else {}
         self.states = states  # per-request recurrent state slots (targets with a state_spec)
+        self.draft_vocab: DraftVocab | None = None  # a reduced draft vocabulary (Engine.restrict_draft_vocab)
         self._pending: SlotStates | None = None  # the last forward's new states, installed by commit_states
 
     # ---- batch building ------------------------------------------------------------------------------
@@ -177,7 +179,16 @@ class ModelRunner:
             valid = int(rows.max()) if len(reqs) else 0  # a window's rows start mid-page: consecutive all the same
             context = self.draft_pool.view(read[:, :0], read, self.draft_layer_offset, valid)  # read only
         return draft_block(
-            self.drafter, anchors, positions, context, sampling, probabilistic, use_markov, topk, context_rows=rows
+            self.drafter,
+            anchors,
+            positions,
+            context,
+            sampling,
+            probabilistic,
+            use_markov,
+            topk,
+            context_rows=rows,
+            vocab=self.draft_vocab,
         )
 
     def context_slots(self, reqs: Sequence[Request], ends: Sequence[int]) -> torch.Tensor:

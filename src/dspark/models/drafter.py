@@ -27,7 +27,6 @@ from dspark.models.packing import Linear
 from dspark.models.protocol import PageFormat
 from dspark.models.rope import RotaryEmbedding, apply_rope
 from dspark.profiling import scope
-from dspark.spec.draft_vocab import DraftVocab
 
 # our module name prefix → DeepSpec Qwen3DSparkModel name prefix
 GQA_NAMES = {"context_proj.": "fc.", "context_norm.": "hidden_norm.", "final_norm.": "norm."}
@@ -170,20 +169,6 @@ class DSparkDrafter(nn.Module):
     @property
     def lm_head(self) -> nn.Module:
         return self._borrowed["lm_head"]
-
-    def restrict_vocab(self, ids: torch.Tensor | None) -> None:
-        """Draft only target tokens ``ids`` (a reduced draft vocabulary, ``spec/draft_vocab.py``); None restores the
-        full vocabulary. Row slices of the lm_head and the Markov W2 are built now (not parameters: never saved,
-        never trained); call again after changing those weights."""
-        if ids is None:
-            self.__dict__["_draft_vocab"] = None
-            return
-        w2 = self.markov_head.markov_w2.weight if self.markov_head is not None else None
-        self.__dict__["_draft_vocab"] = DraftVocab.build(ids, self.lm_head.weight, w2)
-
-    @property
-    def draft_vocab(self) -> DraftVocab | None:
-        return self.__dict__.get("_draft_vocab")
 
     @property
     def latent_dim(self) -> int:

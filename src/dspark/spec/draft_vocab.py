@@ -18,6 +18,7 @@ import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,6 +36,13 @@ class DraftVocab:
     ids: torch.Tensor  # [N] long: draft index i is target token ids[i]
     lm_head: Linear  # [N, D]: rows ids of the lm_head the drafter reads
     markov_w2: Linear | None  # [N, r]: rows ids of the Markov head's W2
+
+    @classmethod
+    def for_drafter(cls, drafter: Any, ids: torch.Tensor) -> DraftVocab:
+        """Row slices of a drafter's (borrowed) lm_head and Markov W2 for ids [N]. Built per engine, not stored in
+        the drafter: engines that share one loaded drafter may draft from different vocabularies."""
+        w2 = drafter.markov_head.markov_w2.weight if drafter.markov_head is not None else None
+        return cls.build(ids, drafter.lm_head.weight, w2)
 
     @classmethod
     def build(cls, ids: torch.Tensor, lm_head: torch.Tensor, markov_w2: torch.Tensor | None) -> DraftVocab:

@@ -11,6 +11,7 @@ import torch
 from dspark.cache.pool import BatchStore
 from dspark.models.drafter import DSparkDrafter
 from dspark.profiling import scope
+from dspark.spec.draft_vocab import DraftVocab
 from dspark.spec.rng import Stream, uniforms
 from dspark.spec.sampling import all_greedy, process_logits, sample_inverse_cdf
 
@@ -64,12 +65,14 @@ def draft_block(
     use_markov: bool = True,
     topk: int | None = None,
     context_rows: torch.Tensor | None = None,
+    vocab: DraftVocab | None = None,
 ) -> Proposal:
     """One drafter pass over the trained block [anchor, mask × (Kb−1)] (Kb = the draft config's block_size) for
     every request, then the Markov loop over its first K slots, batched across requests. The block is
     non-causal, so it always has its trained width: K < Kb proposes the first K drafts of the full block.
     anchors/anchor_positions [B]; context reads each request's drafter context rows (positions < anchor), the
-    first ``context_rows`` [B] of them valid (default: anchor_positions, the whole context)."""
+    first ``context_rows`` [B] of them valid (default: anchor_positions, the whole context). ``vocab``: a reduced
+    draft vocabulary (logits over its N ids only; drafts and q are mapped back to the target's vocabulary)."""
     K = sampling.counters.shape[1] - 1
     B = anchors.shape[0]
     Kb = max(K, drafter.config.block_size or K)
@@ -81,7 +84,6 @@ def draft_block(
     with scope("draft.backbone"):
         out = drafter(block, positions, mask, store=BlockKeys(context), compute_logits=False)
         hidden = out.hidden[:, :K]  # [B, K, D]
-        vocab = drafter.draft_vocab  # a reduced draft vocabulary: logits over its N ids only
         base = (drafter.lm_head if vocab is None else vocab.lm_head)(hidden).float()  # [B, K, V or N]
     u = None
     probabilistic = probabilistic and not all_greedy(sampling.temperature)  # all greedy: q is one-hot at d (None)
