@@ -157,7 +157,9 @@ def test_sampled_output_matches_target_distribution(rule, draw, draft_vocab, bia
         return
     assert stat < dof + 4 * (2 * dof) ** 0.5, (stat, dof)  # ~4 sigma
     # reproducibility: the same seeds give the same outputs in a different batch composition
-    other = Engine(target, drafter, spec, EngineConfig(dtype="float32", max_num_seqs=3), CacheConfig(page_size=4, num_pages=256))
+    other = Engine(
+        target, drafter, spec, EngineConfig(dtype="float32", max_num_seqs=3), CacheConfig(page_size=4, num_pages=256)
+    )
     other.restrict_draft_vocab(None if draft_vocab is None else torch.tensor(draft_vocab))
     again = LLM.from_engine(other).generate([prompt] * 5, params[:5])
     assert [o.token_ids for o in again] == [o.token_ids for o in outs[:5]]
