@@ -88,7 +88,7 @@ def contiguous_start(read_slots: torch.Tensor, valid: int, num_slots: int) -> in
     start = int(run[0])
     if start + read_slots.shape[1] > num_slots or int(run[-1]) - start != valid - 1:
         return None
-    return start if valid < 3 or bool((run.diff() == 1).all()) else None
+    return start if bool((run.diff() == 1).all()) else None
 
 
 @dataclass(frozen=True)

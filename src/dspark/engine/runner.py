@@ -42,6 +42,7 @@ class Batch:
     read_slots: torch.Tensor  # [B, S]
     mask: torch.Tensor  # [B, T, S]
     lengths: torch.Tensor  # [B] valid rows per request
+    visible: int  # key positions the longest request sees (S before padding to KEY_BUCKET)
 
 
 class ModelRunner:
@@ -88,7 +89,8 @@ class ModelRunner:
         Built once per step for every layer, with a fixed number of tensor ops whatever the batch size: the
         Python side only flattens the token lists and block tables."""
         lens = [len(t) for t in tokens]
-        T, S = max(lens), padded_keys(max(s + n for s, n in zip(starts, lens)))
+        T, visible = max(lens), max(s + n for s, n in zip(starts, lens))
+        S = padded_keys(visible)
         scratch = self.pool.scratch_slot
         lengths = torch.tensor(lens, dtype=torch.long)
         start = torch.tensor(starts, dtype=torch.long)
@@ -101,7 +103,7 @@ class ModelRunner:
         write = torch.where(valid, read.gather(1, positions.clamp(max=S - 1)), scratch)  # [B, T]
         positions = torch.where(valid, positions, 0)  # padding rows: position 0, see key 0 only
         mask = keys[None, None, :] <= positions[:, :, None]
-        return Batch(ids, positions, write, read, mask, lengths)
+        return Batch(ids, positions, write, read, mask, lengths, visible)
 
     # ---- recurrent state slots --------------------------------------------------------------------------
     def _state_args(self, reqs: Sequence[Request], starts: Sequence[int], batch: Batch, per_row: bool) -> dict:
@@ -140,8 +142,7 @@ class ModelRunner:
         states wait for ``commit_states`` (per_row_states: keep the state after every row, for verification)."""
         with scope("step.metadata"):
             batch = self.build(reqs, starts, tokens)
-        valid = max(s + len(t) for s, t in zip(starts, tokens))
-        store = self.pool.view(batch.write_slots, batch.read_slots, valid=valid)
+        store = self.pool.view(batch.write_slots, batch.read_slots, valid=batch.visible)
         rows = (batch.lengths - 1)[:, None] if last_only else None
         extra = self._state_args(reqs, starts, batch, per_row_states)
         extra |= self.tap_args
@@ -149,7 +150,9 @@ class ModelRunner:
             out = self.target(batch.ids, batch.positions, batch.mask, store, self.taps, logits_rows=rows, **extra)
         if self.drafter is not None and out.taps is not None:
             assert self.draft_pool is not None
-            draft_store = self.draft_pool.view(batch.write_slots, batch.read_slots, self.draft_layer_offset, valid)
+            draft_store = self.draft_pool.view(
+                batch.write_slots, batch.read_slots, self.draft_layer_offset, batch.visible
+            )
             with scope("draft.context"):
                 self.drafter.inject_context(out.taps, batch.positions, draft_store)
         assert out.logits is not None
