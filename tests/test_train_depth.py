@@ -133,3 +133,47 @@ def test_long_context_prompts_run_back_into_preceding_documents():
         corpus_prompts(docs, encode, 5, 10, 30, max_context=20)
     with pytest.raises(ValueError, match="max_context"):
         RegenerateConfig(max_prompt_tokens=128, max_context=64)
+
+
+def test_min_context_raises_the_floor_of_long_prompts():
+    """min_context: long prompts are log-uniform in [min_context, max_context]; short ones are unchanged; a floor
+    outside [max_tokens, max_context] (or without max_context) is refused naming the key."""
+    from dspark.train.regenerate import RegenerateConfig, corpus_prompts
+
+    docs = [f"# file {d}\n" + "".join(f"def f{d}_{i}(x):\n    return x + {i}\n\n" for i in range(40)) for d in range(6)]
+
+    def encode(text: str) -> list[int]:
+        return [4 + (b % 90) for b in text.encode()]
+
+    kw = dict(min_tokens=10, max_tokens=30, seed=2, max_context=4000, long_fraction=0.5)
+    prompts = corpus_prompts(docs, encode, 60, min_context=2000, **kw)
+    long = [p for p in prompts if len(p) > 30]
+    assert len(long) >= 15 and all(2000 <= len(p) <= 4000 for p in long)
+    assert all(10 <= len(p) <= 30 for p in prompts if len(p) <= 30)
+    with pytest.raises(ValueError, match="min_context"):
+        corpus_prompts(docs, encode, 5, min_context=5000, **kw)
+    with pytest.raises(ValueError, match="min_context"):
+        RegenerateConfig(max_prompt_tokens=128, min_context=1000)  # no max_context
+    with pytest.raises(ValueError, match="min_context"):
+        RegenerateConfig(max_prompt_tokens=128, max_context=4096, min_context=64)
+
+
+def test_draft_data_shards_merge_in_order(tmp_path):
+    """`draft-data --merge N` joins shard-0..N-1 sample by sample (train and validation); a missing shard is an
+    error naming it, and nothing is written."""
+    from dspark.cli import main
+    from dspark.train.regenerate import merge_draft_data
+
+    a = DraftDataset.from_samples([([5, 6, 7], [0, 1, 1]), ([8, 9], [0, 1])])
+    b = DraftDataset.from_samples([([10, 11, 12, 13], [0, 0, 1, 1])])
+    a.save(tmp_path / "shard-0" / "train.npz")
+    a.save(tmp_path / "shard-0" / "validation.npz")
+    with pytest.raises(FileNotFoundError, match="shard-1"):
+        merge_draft_data(tmp_path, 2)
+    assert not (tmp_path / "train.npz").exists()
+    b.save(tmp_path / "shard-1" / "train.npz")
+    assert main(["draft-data", "--out-dir", str(tmp_path), "--merge", "2"]) == 0
+    train = DraftDataset.load(tmp_path / "train.npz")
+    assert len(train) == 3 and train.num_loss_tokens == 5
+    assert [train[i][0].tolist() for i in range(3)] == [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    assert len(DraftDataset.load(tmp_path / "validation.npz")) == 2  # shard-1 has no validation split

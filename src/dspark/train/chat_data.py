@@ -234,7 +234,7 @@ def merge_shards(out_dir: str | Path, num_shards: int) -> dict[str, Any]:
         parts = [(d, ds) for d, ds in parts if len(ds)]
         if not parts:
             continue
-        merged = _concat([ds for _, ds in parts])
+        merged = DraftDataset.concat([ds for _, ds in parts])
         merged.save(out / file_name)
         _merge_features([d / "features" / split for d, _ in parts], out / "features" / split, merged)
         result[split] = {
@@ -248,20 +248,6 @@ def merge_shards(out_dir: str | Path, num_shards: int) -> dict[str, Any]:
     result["shards"] = manifests
     (out / MANIFEST_FILE).write_text(json.dumps(result, indent=2) + "\n")
     return result
-
-
-def _concat(parts: list[DraftDataset]) -> DraftDataset:
-    offsets = [np.zeros(1, np.int64)]
-    base = 0
-    for ds in parts:
-        offsets.append(ds.offsets[1:] + base)
-        base += ds.tokens.size
-    return DraftDataset(
-        np.concatenate([ds.tokens for ds in parts]),
-        np.concatenate([ds.loss_mask for ds in parts]),
-        np.concatenate(offsets),
-        parts[0].meta,
-    )
 
 
 def _merge_features(sources: list[Path], dest: Path, dataset: DraftDataset) -> None:

@@ -26,11 +26,15 @@ from dspark.config import DTYPES
 
 
 def cmd_draft_data(args: argparse.Namespace) -> int:
-    from dspark.train.regenerate import RegenerateConfig, build_draft_dataset
+    from dspark.train.regenerate import RegenerateConfig, build_draft_dataset, merge_draft_data
 
     known = {f.name for f in fields(RegenerateConfig)}
     overrides = {k: v for k, v in vars(args).items() if k in known and v is not None}
     cfg = replace(RegenerateConfig(), **overrides, progress=not args.quiet)
+    if args.merge is not None:
+        merged = merge_draft_data(cfg.out_dir, args.merge)
+        print(json.dumps({k: v for k, v in merged.items() if k != "manifests"}))
+        return 0
     result = build_draft_dataset(cfg)
     if args.json:
         print(json.dumps(asdict(result)))
@@ -49,6 +53,13 @@ def add_draft_data(sub: argparse._SubParsersAction) -> None:
         "--max-context", type=int, default=None, help="also long prompts (concatenated files) up to N tokens"
     )
     p.add_argument("--long-fraction", type=float, default=None, help="share of long prompts with --max-context (0.25)")
+    p.add_argument(
+        "--min-context", type=int, default=None, help="shortest long prompt (default: the short prompts' maximum)"
+    )
+    p.add_argument("--chunk-size", type=int, default=None, help="prompts per engine batch between time checks")
+    p.add_argument(
+        "--merge", type=int, default=None, metavar="N", help="join --out-dir/shard-0..N-1 (runs with their own seeds)"
+    )
     p.add_argument("--temperatures", type=float_list, default=None, help="round-robin per prompt, 0 = greedy (1,0.7,0)")
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None, help="engine batch (32)")

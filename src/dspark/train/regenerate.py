@@ -72,6 +72,20 @@ class DraftDataset:
         cat = lambda a, dt: np.concatenate(a) if a else np.zeros(0, dt)  # noqa: E731
         return cls(cat(ids, np.int32), cat(masks, np.uint8), np.asarray(offsets, dtype=np.int64), meta)
 
+    @classmethod
+    def concat(cls, parts: Sequence[DraftDataset], meta: dict | None = None) -> DraftDataset:
+        """The samples of ``parts`` one after another (meta: the first part's unless given)."""
+        if not parts:
+            raise ValueError("DraftDataset.concat: no datasets to join")
+        bases = np.cumsum([0] + [ds.tokens.size for ds in parts[:-1]])
+        offsets = [np.zeros(1, np.int64)] + [ds.offsets[1:] + b for ds, b in zip(parts, bases)]
+        return cls(
+            np.concatenate([ds.tokens for ds in parts]),
+            np.concatenate([ds.loss_mask for ds in parts]),
+            np.concatenate(offsets),
+            parts[0].meta if meta is None else meta,
+        )
+
     def __len__(self) -> int:
         return self.offsets.size - 1
 
@@ -165,18 +179,25 @@ def corpus_prompts(
     seed: int = 0,
     max_context: int | None = None,
     long_fraction: float = 0.25,
+    min_context: int | None = None,
 ) -> list[list[int]]:
     """Up to num_prompts distinct prompts: the last L ∈ [min_tokens, max_tokens] tokens of a document's text
     up to a random cut point (see :func:`cut_points`), drawn uniformly over all cut points of all documents.
 
     With ``max_context``, a ``long_fraction`` of the prompts are long contexts instead: L log-uniform in
-    [max_tokens, max_context], the text running back into the preceding documents (concatenated files)."""
+    [min_context (default max_tokens), max_context], the text running back into the preceding documents
+    (concatenated files); with an explicit ``min_context``, cuts with less text before them are skipped."""
     if not 0 < min_tokens <= max_tokens:
         raise ValueError(f"prompt lengths must satisfy 0 < min_tokens ({min_tokens}) <= max_tokens ({max_tokens})")
     if max_context is not None and (max_context < max_tokens or not 0 <= long_fraction <= 1):
         raise ValueError(
             f"max_context ({max_context}) must be >= max_tokens ({max_tokens}) and long_fraction "
             f"({long_fraction}) in [0, 1]"
+        )
+    low = max_tokens if min_context is None else min_context
+    if max_context is not None and not max_tokens <= low <= max_context:
+        raise ValueError(
+            f"min_context ({min_context}) must lie in [max_tokens ({max_tokens}), max_context ({max_context})]"
         )
     texts = list(documents)
     candidates = [(d, c) for d, text in enumerate(texts) for c in cut_points(text)]
@@ -189,8 +210,10 @@ def corpus_prompts(
             break
         d, c = candidates[int(k)]
         if max_context is not None and rng.random() < long_fraction:
-            length = int(np.exp(rng.uniform(np.log(max_tokens), np.log(max_context))))
+            length = int(np.exp(rng.uniform(np.log(low), np.log(max_context))))
             ids = encode(_preceding_text(texts, d, c, max(_CONTEXT_CHARS, _CHARS_PER_TOKEN * length)))
+            if min_context is not None and len(ids) < min_context:
+                continue  # too little text before this cut to reach the floor
         else:
             ids = encode(texts[d][max(0, c - _CONTEXT_CHARS) : c])
             length = int(rng.integers(min_tokens, max_tokens + 1))
@@ -220,6 +243,7 @@ class RegenerateConfig:
     max_prompt_tokens: int = 128
     max_context: int | None = None  # also long prompts (concatenated files) up to this many tokens
     long_fraction: float = 0.25  # share of prompts that are long when max_context is set
+    min_context: int | None = None  # shortest long prompt (default: max_prompt_tokens)
     max_new_tokens: int = 160
     # sampling settings, assigned round-robin over prompts (0.0 = greedy)
     temperatures: tuple[float, ...] = (1.0, 0.7, 0.0)
@@ -245,6 +269,13 @@ class RegenerateConfig:
             raise ValueError(
                 f"RegenerateConfig.max_context = {self.max_context}: must be >= max_prompt_tokens "
                 f"({self.max_prompt_tokens})"
+            )
+        if self.min_context is not None and not (
+            self.max_context is not None and self.max_prompt_tokens <= self.min_context <= self.max_context
+        ):
+            raise ValueError(
+                f"RegenerateConfig.min_context = {self.min_context}: needs max_context and must lie in "
+                f"[max_prompt_tokens ({self.max_prompt_tokens}), max_context ({self.max_context})]"
             )
 
 
@@ -333,6 +364,7 @@ def build_draft_dataset(cfg: RegenerateConfig) -> RegenerateResult:
         max_tokens=cfg.max_prompt_tokens,
         max_context=cfg.max_context,
         long_fraction=cfg.long_fraction,
+        min_context=cfg.min_context,
     )
     encode = partial(tok.encode, add_special_tokens=False)  # text cut from inside a document: no BOS
     train_prompts = corpus_prompts(texts("train"), encode, cfg.num_prompts, seed=cfg.seed, **kw)
@@ -384,6 +416,37 @@ def build_draft_dataset(cfg: RegenerateConfig) -> RegenerateResult:
     )
     (out / MANIFEST_FILE).write_text(json.dumps(asdict(result) | meta_base, indent=2) + "\n")
     say(f"draft-data: wrote {out} ({result.train_samples} train samples, {result.train_loss_tokens} loss tokens)")
+    return result
+
+
+def merge_draft_data(out_dir: str | Path, num_shards: int) -> dict[str, Any]:
+    """Join ``out_dir/shard-0..N-1`` (each a `dspark draft-data --out-dir` of its own, e.g. runs on several cores
+    with different seeds) into out_dir/{train,validation}.npz and one manifest. A missing shard is an error: a
+    half-merged dataset would silently train on less data than asked."""
+    out = Path(out_dir)
+    shards = [out / f"shard-{k}" for k in range(num_shards)]
+    missing = [str(d / TRAIN_FILE) for d in shards if not (d / TRAIN_FILE).is_file()]
+    if num_shards < 1 or missing:
+        raise FileNotFoundError(
+            f"draft-data --merge {num_shards}: missing {missing or 'shards'}; run `dspark draft-data --out-dir "
+            f"{out}/shard-K --seed S` for every K in 0..{max(num_shards, 1) - 1} first"
+        )
+    result: dict[str, Any] = {"out_dir": str(out), "shards": num_shards}
+    for split, name in (("train", TRAIN_FILE), ("validation", VALIDATION_FILE)):
+        parts = [DraftDataset.load(d / name) for d in shards if (d / name).is_file()]
+        parts = [ds for ds in parts if len(ds)]
+        if not parts:
+            continue
+        merged = DraftDataset.concat(parts, parts[0].meta | {"split": split, "merged_shards": num_shards})
+        merged.save(out / name)
+        result[split] = {
+            "samples": len(merged),
+            "tokens": int(merged.tokens.size),
+            "loss_tokens": merged.num_loss_tokens,
+        }
+    manifests = [json.loads((d / MANIFEST_FILE).read_text()) for d in shards if (d / MANIFEST_FILE).is_file()]
+    result["manifests"] = manifests
+    (out / MANIFEST_FILE).write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 
