@@ -456,3 +456,25 @@ def test_init_from_warm_starts_a_fresh_run_from_a_checkpoint_or_an_export(target
         warm_start_(other.drafter, str(tmp_path / "a"), target)
     with pytest.raises(FileNotFoundError, match="init-from"):
         warm_start_(other.drafter, str(tmp_path / "nowhere"), target)
+
+
+def test_sharded_draft_data_with_features_merges_into_one_cache(target, tmp_path: Path) -> None:
+    """Two draft-data shards, each with its own prepare-features cache, merge (`--merge 2`) into one dataset and
+    one cache whose features for every merged sample equal a fresh target pass over it."""
+    from dspark.train.regenerate import merge_draft_data
+
+    taps = (0, 1)
+    parts = [tiny_dataset(3, seed=1), tiny_dataset(4, seed=2)]
+    for k, ds in enumerate(parts):
+        ds.save(tmp_path / f"shard-{k}" / "train.npz")
+        prepare_features(target, ds, tmp_path / f"shard-{k}" / "features" / "train", taps, "float32", autocast=False)
+    merge_draft_data(tmp_path, 2)
+    data = DraftDataset.load(tmp_path / "train.npz")
+    assert len(data) == 7
+    cache = FeatureCache(tmp_path / "features" / "train", data, taps)  # checks the dataset fingerprint
+    for i in (0, 2, 3, 6):
+        x, _ = data[i]
+        ref = target_features(target, torch.from_numpy(x)[None], taps, "float32", autocast=False)
+        t, h = cache.get(i)
+        torch.testing.assert_close(t, ref.taps[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(h, ref.hidden[0], rtol=1e-5, atol=1e-5)

@@ -24,7 +24,6 @@ Usage::
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -32,10 +31,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from dspark.train.features import INDEX, MANIFEST, FeatureWriter
+from dspark.train.features import FeatureWriter, merge_feature_dirs
 from dspark.train.regenerate import MANIFEST_FILE, TRAIN_FILE, VALIDATION_FILE, DraftDataset
 
 SPLITS = (("validation", VALIDATION_FILE), ("train", TRAIN_FILE))
@@ -236,7 +234,7 @@ def merge_shards(out_dir: str | Path, num_shards: int) -> dict[str, Any]:
             continue
         merged = DraftDataset.concat([ds for _, ds in parts])
         merged.save(out / file_name)
-        _merge_features([d / "features" / split for d, _ in parts], out / "features" / split, merged)
+        merge_feature_dirs([d / "features" / split for d, _ in parts], out / "features" / split, merged)
         result[split] = {
             "samples": len(merged),
             "tokens": int(merged.tokens.size),
@@ -248,30 +246,3 @@ def merge_shards(out_dir: str | Path, num_shards: int) -> dict[str, Any]:
     result["shards"] = manifests
     (out / MANIFEST_FILE).write_text(json.dumps(result, indent=2) + "\n")
     return result
-
-
-def _merge_features(sources: list[Path], dest: Path, dataset: DraftDataset) -> None:
-    tmp = dest.with_name(f".{dest.name}.merge")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    manifests = [json.loads((s / MANIFEST).read_text()) for s in sources]
-    shards, index = [], []
-    for k, (src, m) in enumerate(zip(sources, manifests)):
-        idx = np.load(src / INDEX)
-        idx[:, 0] += len(shards)
-        index.append(idx)
-        for name in m["shards"]:
-            for kind in ("taps", "hidden"):
-                shutil.move(src / f"{kind}-{name}.bin", tmp / f"{kind}-{k}-{name}.bin")
-            shards.append(f"{k}-{name}")
-    np.save(tmp / INDEX, np.concatenate(index))
-    manifest = manifests[0] | {
-        "num_samples": len(dataset),
-        "num_tokens": int(dataset.lengths().sum()),
-        "dataset_fingerprint": dataset.fingerprint(),
-        "shards": shards,
-    }
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    if dest.exists():
-        shutil.rmtree(dest)
-    tmp.rename(dest)

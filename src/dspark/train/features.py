@@ -335,3 +335,32 @@ class FeatureCache:
             taps[r, : t.shape[0]] = t
             hidden[r, : h.shape[0]] = h
         return Features(taps=taps, hidden=hidden)
+
+
+def merge_feature_dirs(sources: Sequence[Path], dest: Path, dataset: DraftDataset) -> None:
+    """Join feature caches of consecutive dataset shards into ``dest`` for their concatenation ``dataset`` (the
+    shard files are moved, not copied; dest is replaced only once the merged cache is complete)."""
+    tmp = dest.with_name(f".{dest.name}.merge")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    manifests = [json.loads((s / MANIFEST).read_text()) for s in sources]
+    shards, index = [], []
+    for k, (src, m) in enumerate(zip(sources, manifests)):
+        idx = np.load(src / INDEX)
+        idx[:, 0] += len(shards)
+        index.append(idx)
+        for name in m["shards"]:
+            for kind in ("taps", "hidden"):
+                shutil.move(src / f"{kind}-{name}.bin", tmp / f"{kind}-{k}-{name}.bin")
+            shards.append(f"{k}-{name}")
+    np.save(tmp / INDEX, np.concatenate(index))
+    manifest = manifests[0] | {
+        "num_samples": len(dataset),
+        "num_tokens": int(dataset.lengths().sum()),
+        "dataset_fingerprint": dataset.fingerprint(),
+        "shards": shards,
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    if dest.exists():
+        shutil.rmtree(dest)
+    tmp.rename(dest)
