@@ -283,3 +283,44 @@ def test_bench_draft_window_adds_a_windowed_dspark_row(tmp_path):
     assert plot_report(report.to_json(), tmp_path / "bench.png").stat().st_size > 0  # τ and speed-up vs depth
     with pytest.raises(ConfigError, match="needs --draft-window"):
         BenchConfig(str(data), baselines=("dspark-window",))
+
+
+def test_served_draft_distribution_equals_the_training_forward_at_depth():
+    """Train/serve parity beyond the original window: for a request prefilled in chunks of 48 rows into scrambled
+    pages, the drafter's served q (probabilistic drafting at T=1) equals softmax of the training forward
+    (`BlockForward` over the target's offline features, Markov teacher-forced with the served drafts), and the
+    confidence logits agree. Anything the serving path reads differently at depth (positions, chunk boundaries,
+    page order, context injection) breaks this."""
+    from dspark.train.anchors import block_inputs
+    from dspark.train.features import target_features
+    from dspark.train.trainer import BlockForward
+
+    target, drafter = long_pair(3)
+    ids = torch.randint(4, 96, (230,), generator=torch.Generator().manual_seed(11)).tolist()
+    taps = tuple(drafter.config.target_layer_ids)
+    feats = target_features(target, torch.tensor([ids]), taps, "float32", autocast=False)
+    fwd = BlockForward(drafter).eval()
+    Kb = 5  # drafts per block (the tiny drafter has no trained block_size)
+    for anchor in (70, 229):  # past the 64-position original window; the last anchor sees every chunk
+        runner, blocks, _ = _runner(target, drafter)
+        req = Request("a", ids[: anchor + 1], SamplingParams(), 0)
+        blocks.ensure_capacity("decoy", 40)
+        blocks.ensure_capacity("a", anchor + 1 + Kb)
+        blocks.release("decoy")
+        for s in range(0, anchor, 48):
+            runner.target_forward([req], [s], [ids[s : min(s + 48, anchor)]], last_only=True)
+        req.num_computed = anchor
+        sampling = SamplingTensors(
+            temperature=torch.ones(1),
+            top_k=torch.zeros(1, dtype=torch.long),
+            top_p=torch.ones(1),
+            seeds=torch.tensor([7]),
+            counters=round_counters(torch.tensor([anchor]), Kb + 1),
+        )
+        p = runner.propose_draft([req], sampling, probabilistic=True, use_markov=True, topk=None)
+        anchors = torch.tensor([[anchor]])
+        block = block_inputs(torch.tensor([ids]), anchors, Kb, drafter.config.mask_token_id)
+        with torch.no_grad():
+            logits, conf = fwd(block, anchors, torch.ones(1, 1, dtype=torch.bool), p.tokens[:, None], feats.taps)
+        torch.testing.assert_close(p.q[0], torch.softmax(logits[0, 0], -1), rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(p.confidence[0], conf[0, 0], rtol=1e-4, atol=1e-4)
