@@ -324,3 +324,20 @@ def test_served_draft_distribution_equals_the_training_forward_at_depth():
             logits, conf = fwd(block, anchors, torch.ones(1, 1, dtype=torch.bool), p.tokens[:, None], feats.taps)
         torch.testing.assert_close(p.q[0], torch.softmax(logits[0, 0], -1), rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(p.confidence[0], conf[0, 0], rtol=1e-4, atol=1e-4)
+
+
+def test_default_pool_holds_one_request_of_max_model_len():
+    """With max_num_seqs=1 the default pool still takes a prompt + max_tokens of the whole context (speculation's
+    lookahead included); a pool set too small names the pages needed and the key to raise."""
+    target, drafter = long_pair(4)
+    eng = Engine(target, drafter, SpeculativeConfig(method="dspark"), EngineConfig(dtype="float32", max_num_seqs=1))
+    n = eng.max_model_len
+    prompt = torch.randint(4, 96, (n - 8,), generator=torch.Generator().manual_seed(0)).tolist()
+    out = LLM.from_engine(eng).generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert len(out[0].token_ids) == 8
+    from dspark.config import CacheConfig
+    from dspark.engine.engine import EngineError
+
+    small = Engine(target, None, None, EngineConfig(dtype="float32"), CacheConfig(num_pages=4, page_size=16))
+    with pytest.raises(EngineError, match="KV pages but the pool has 4; raise CacheConfig.num_pages"):
+        small.add_request(prompt, SamplingParams(max_tokens=8))

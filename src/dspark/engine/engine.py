@@ -115,7 +115,9 @@ class Engine:
         self.eos_ids = set(tcfg.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()))
         self.K = self.spec.num_speculative_tokens if self.spec else 0
         ccfg = cache_config or CacheConfig()
-        num_pages = ccfg.num_pages or math.ceil(self.cfg.max_num_seqs * min(self.max_model_len, 4096) / ccfg.page_size)
+        # default: max_num_seqs requests of up to 4,096 tokens, and never less than one request of max_model_len
+        default_tokens = max(self.cfg.max_num_seqs * min(self.max_model_len, 4096), self.max_model_len + self.K + 1)
+        num_pages = ccfg.num_pages or math.ceil(default_tokens / ccfg.page_size)
         self.model_dir, self.draft_dir = model_dir, draft_dir  # where the models came from (None: in memory)
         self.model_ref = model_ref  # the model as the user named it (directory, .gguf, alias, hub id)
         dformat = self.drafter.page_format if self.drafter is not None else None
@@ -172,7 +174,11 @@ class Engine:
                 f"length {self.max_model_len}; shorten the prompt or lower max_tokens"
             )
         if self.blocks.allocator.pages_for(len(ids) + params.max_tokens + self.K + 1) > self.pool.num_pages:
-            raise EngineError("the request alone does not fit the KV cache pool; raise CacheConfig.num_pages")
+            raise EngineError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) alone needs "
+                f"{self.blocks.allocator.pages_for(len(ids) + params.max_tokens + self.K + 1)} KV pages but the pool "
+                f"has {self.pool.num_pages}; raise CacheConfig.num_pages"
+            )
         if len(self.scheduler.waiting) >= self.cfg.max_waiting:
             raise EngineError(f"the waiting queue is full ({self.cfg.max_waiting}); retry later")
         rid = request_id or f"req-{next(self._ids)}"
