@@ -177,3 +177,35 @@ def test_draft_data_shards_merge_in_order(tmp_path):
     assert len(train) == 3 and train.num_loss_tokens == 5
     assert [train[i][0].tolist() for i in range(3)] == [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     assert len(DraftDataset.load(tmp_path / "validation.npz")) == 2  # shard-1 has no validation split
+
+
+def test_prompt_anchors_add_distilled_blocks_over_the_prompt():
+    """prompt_anchors=n keeps a sample's response anchors (same draws) and adds up to n distinct anchors before its
+    first response token, whose labels (the prompt text, then the response) are supervised; kept anchors come
+    first."""
+    from dspark.train.trainer import DraftTrainConfig, make_block_batch
+
+    rng = np.random.default_rng(0)
+    samples = []
+    for n_prompt, n_resp in ((300, 20), (5, 40), (0, 30), (40, 0)):
+        ids = rng.integers(4, 90, n_prompt + n_resp).tolist()
+        samples.append((ids, [0] * n_prompt + [1] * n_resp))
+    data = DraftDataset.from_samples(samples)
+    ids, rows = [0, 1, 2, 3], [0, 1, 2, 3]
+    base = make_block_batch(data, ids, rows, 8, 4, 3, seed=1, step=5)
+    more = make_block_batch(data, ids, rows, 8, 4, 3, seed=1, step=5, prompt_anchors=16)
+    for r, (x, m) in enumerate(samples):
+        first = m.index(1) if 1 in m else len(m)
+        old = set(base.anchors[r][base.keep[r]].tolist())
+        new = more.anchors[r][more.keep[r]].tolist()
+        assert old <= set(new) and len(set(new)) == len(new)
+        extra = [a for a in new if a not in old]
+        assert all(a < first for a in extra) and len(extra) == min(16, first)
+        k = int(more.keep[r].sum())
+        assert more.keep[r, :k].all() and not more.keep[r, k:].any()  # kept anchors first
+        for j, a in enumerate(more.anchors[r, :k].tolist()):
+            n = int(more.eval_mask[r, j].sum())
+            assert n == min(4, len(x) - 1 - a) and n > 0  # every label up to the sample's end is supervised
+            assert more.labels[r, j, :n].tolist() == x[a + 1 : a + 1 + n]
+    with pytest.raises(ValueError, match="prompt_anchors"):
+        DraftTrainConfig(prompt_anchors=-1)

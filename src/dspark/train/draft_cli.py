@@ -197,6 +197,7 @@ _TRAIN_FLAGS = {
     "--markov-head-type": ("markov_head_type", str, "vanilla | gated | rnn"),
     "--taps": ("target_layer_ids", int_list, "target layer ids, e.g. 1,4,7,10 (default: spread over the depth)"),
     "--num-anchors": ("num_anchors", int, "anchors per sequence (64)"),
+    "--prompt-anchors": ("prompt_anchors", int, "more anchors per sequence in its prompt, distilled (0)"),
     "--batch-size": ("batch_size", int, "global sequences per optimizer step (8)"),
     "--micro-batch-size": ("micro_batch_size", int, "sequences per rank per forward (batch/world)"),
     "--lr": ("lr", float, "peak learning rate (6e-4)"),

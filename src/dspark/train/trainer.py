@@ -176,6 +176,10 @@ class DraftTrainConfig:
     decay_gamma: float = 4.0
     # optimisation
     num_anchors: int = 64
+    # more anchors per training sample drawn in its prompt (the corpus text before the response): their labels are
+    # the text, distilled against the target's logits there, so long prompts teach the drafter to read the target's
+    # hidden states at every depth the data has (the responses sit only at the end). 0: responses only.
+    prompt_anchors: int = 0
     batch_size: int = 8  # global sequences per optimizer step (over all ranks and micro-steps)
     micro_batch_size: int | None = None  # sequences per rank per forward; None: batch_size // world_size
     lr: float = 6e-4
@@ -213,6 +217,8 @@ class DraftTrainConfig:
         if self.features not in ("online", "offline"):
             raise ValueError(f"DraftTrainConfig.features = {self.features!r}: use 'online' or 'offline'")
         positive = ("batch_size", "num_anchors", "block_size", "eval_interval", "ckpt_interval", "log_interval")
+        if self.prompt_anchors < 0:
+            raise ValueError(f"DraftTrainConfig.prompt_anchors = {self.prompt_anchors}: must be >= 0")
         for name in positive + ("horizon_interval",):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
@@ -298,6 +304,7 @@ SHAPE_FIELDS = (
     "intermediate_size",
     "batch_size",
     "num_anchors",
+    "prompt_anchors",
     "seed",
 )
 
@@ -384,21 +391,28 @@ def make_block_batch(
     seed: int,
     step: int | None,
     pad_id: int = 0,
+    prompt_anchors: int = 0,
 ) -> BlockBatch:
     """Blocks of the given samples; ``rows`` (their row in the global step batch) seed the anchor choice, so
     a sample gets the same anchors however the step's batch is split over ranks and micro-steps.
-    ``step`` None selects the evaluation stream."""
+    ``step`` None selects the evaluation stream. ``prompt_anchors``: that many more anchors per sample drawn over
+    its prompt (positions before its first response token), whose labels are then supervised too (see
+    ``DraftTrainConfig.prompt_anchors``)."""
     samples = [dataset[i] for i in sample_ids]
     S = max(x.size for x, _ in samples)
     B = len(samples)
+    A = num_anchors + prompt_anchors
     input_ids = torch.full((B, S), pad_id, dtype=torch.long)
     loss_mask = torch.zeros(B, S, dtype=torch.bool)
-    anchors = torch.zeros(B, num_anchors, dtype=torch.long)
-    keep = torch.zeros(B, num_anchors, dtype=torch.bool)
+    anchors = torch.zeros(B, A, dtype=torch.long)
+    keep = torch.zeros(B, A, dtype=torch.bool)
     for r, ((x, m), row) in enumerate(zip(samples, rows)):
         input_ids[r, : x.size] = torch.from_numpy(x)
         loss_mask[r, : m.size] = torch.from_numpy(m)
-        a, k = sample_anchors(loss_mask[r : r + 1, : x.size], num_anchors, _anchor_generator(seed, step, row))
+        gen = _anchor_generator(seed, step, row)
+        a, k = sample_anchors(loss_mask[r : r + 1, : x.size], num_anchors, gen)
+        if prompt_anchors:
+            a, k = _with_prompt_anchors(loss_mask[r, : x.size], a[0], k[0], prompt_anchors, gen)
         anchors[r], keep[r] = a[0], k[0]
     # drop anchor columns that are padding in every row (dummy blocks cost compute and supervise nothing)
     used = max(1, int(keep.sum(1).max()))
@@ -415,6 +429,22 @@ def make_block_batch(
         labels=labels,
         eval_mask=eval_mask,
     )
+
+
+def _with_prompt_anchors(
+    loss_mask: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor, n: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Add up to n anchors in the prompt (positions 0..P-1 before the first supervised token P, labels up to P)
+    to one sample's response anchors [A], and supervise the prompt (loss_mask modified in place). → anchors and
+    keep [1, A + n], kept anchors first, each group sorted by position."""
+    first = int(loss_mask.nonzero()[0]) if bool(loss_mask.any()) else loss_mask.numel()
+    prompt = torch.zeros_like(loss_mask)
+    prompt[: first + 1] = True  # anchors a < P whose next token a+1 <= P is a label
+    pa, pk = sample_anchors(prompt[None], n, gen)
+    loss_mask[:first] = True
+    a, k = torch.cat((anchors, pa[0])), torch.cat((keep, pk[0]))
+    order = torch.where(k, a, a + loss_mask.numel()).argsort()
+    return a[order][None], k[order][None]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -689,6 +719,7 @@ class DraftTrainer(TrainLoop[tuple["MetricSums", float]]):
                     cfg.seed,
                     step,
                     pad_id=self.draft_cfg.pad_token_id or 0,
+                    prompt_anchors=cfg.prompt_anchors,
                 )
             )
         return out
