@@ -161,9 +161,10 @@ def test_block_output_never_depends_on_context_at_or_after_its_anchor(target) ->
 # ---- optimisation ------------------------------------------------------------------------------------------
 
 
-def test_one_optimisation_step_lowers_the_loss(target) -> None:
+@pytest.mark.parametrize("prompt_anchors", [0, 3])
+def test_one_optimisation_step_lowers_the_loss(target, prompt_anchors: int) -> None:
     data = tiny_dataset(4)
-    trainer = DraftTrainer(tiny_cfg(lr=3e-3, warmup_steps=1), target, data)
+    trainer = DraftTrainer(tiny_cfg(lr=3e-3, warmup_steps=1, prompt_anchors=prompt_anchors), target, data)
     batches = trainer.step_batches(0)
 
     def loss() -> float:
