@@ -441,6 +441,15 @@ def test_init_from_warm_starts_a_fresh_run_from_a_checkpoint_or_an_export(target
     assert halted["step"] == 0
     for k, v in trained.items():
         torch.testing.assert_close(halted["model"][k], v, rtol=0, atol=0, msg=k)
+    # a warm start with a validation split evaluates its starting weights first (the log's step 0)
+    val = tiny_dataset(3, seed=5)
+    cfg = tiny_cfg(out_dir=str(tmp_path / "c"), init_from=str(tmp_path / "a"), max_steps=1)
+    res = train_draft(cfg, target=target, train_data=data, val_data=val)
+    log = json.loads((Path(res.export_dir) / "training_log.json").read_text())
+    start = DraftTrainer(cfg, target, data, val)
+    warm_start_(start.drafter, str(tmp_path / "a"), target)
+    assert log["eval"][0]["step"] == 0
+    assert log["eval"][0]["tau_probabilistic"] == pytest.approx(start.evaluate()["tau_probabilistic"], abs=1e-4)
     # a YaRN-extended target (same weights, new positions): the drafter starts from the short-context one
     rope = replace(target.config.rope, factor=4 * target.config.rope.factor)
     longer = type(target)(

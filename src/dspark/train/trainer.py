@@ -1037,6 +1037,7 @@ def _run(cfg, resume, target, train_data, val_data, dist_info: Dist) -> DraftTra
         trainer.log = RunLog(**blob["run"])
     elif cfg.init_from:
         warm_start_(trainer.drafter, cfg.init_from, target)
+        trainer.run_evaluation()  # the starting weights on this validation split: the log's step 0
     world, dcfg = dist_info.world_size, trainer.draft_cfg
     trainer.say(
         f"train-draft: {'DFlash' if cfg.dflash else 'DSpark'} drafter, {trainer.num_trainable_params / 1e6:.2f}M "
