@@ -162,7 +162,7 @@ def test_draft_data_shards_merge_in_order(tmp_path):
     """`draft-data --merge N` joins shard-0..N-1 sample by sample (train and validation); a missing shard is an
     error naming it, and nothing is written."""
     from dspark.cli import main
-    from dspark.train.regenerate import merge_draft_data
+    from dspark.train.features import merge_draft_data
 
     a = DraftDataset.from_samples([([5, 6, 7], [0, 1, 1]), ([8, 9], [0, 1])])
     b = DraftDataset.from_samples([([10, 11, 12, 13], [0, 0, 1, 1])])

@@ -471,7 +471,7 @@ def test_init_from_warm_starts_a_fresh_run_from_a_checkpoint_or_an_export(target
 def test_sharded_draft_data_with_features_merges_into_one_cache(target, tmp_path: Path) -> None:
     """Two draft-data shards, each with its own prepare-features cache, merge (`--merge 2`) into one dataset and
     one cache whose features for every merged sample equal a fresh target pass over it."""
-    from dspark.train.regenerate import merge_draft_data
+    from dspark.train.features import merge_draft_data
 
     taps = (0, 1)
     parts = [tiny_dataset(3, seed=1), tiny_dataset(4, seed=2)]

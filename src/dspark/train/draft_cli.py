@@ -26,7 +26,8 @@ from dspark.config import DTYPES
 
 
 def cmd_draft_data(args: argparse.Namespace) -> int:
-    from dspark.train.regenerate import RegenerateConfig, build_draft_dataset, merge_draft_data
+    from dspark.train.features import merge_draft_data
+    from dspark.train.regenerate import RegenerateConfig, build_draft_dataset
 
     known = {f.name for f in fields(RegenerateConfig)}
     overrides = {k: v for k, v in vars(args).items() if k in known and v is not None}

@@ -419,44 +419,6 @@ def build_draft_dataset(cfg: RegenerateConfig) -> RegenerateResult:
     return result
 
 
-def merge_draft_data(out_dir: str | Path, num_shards: int) -> dict[str, Any]:
-    """Join ``out_dir/shard-0..N-1`` (each a `dspark draft-data --out-dir` of its own, e.g. runs on several cores
-    with different seeds) into out_dir/{train,validation}.npz and one manifest; when every shard of a split has
-    its `prepare-features` cache (shard-K/features/<split>), the caches are merged too (files moved). A missing
-    shard is an error: a half-merged dataset would silently train on less data than asked."""
-    out = Path(out_dir)
-    shards = [out / f"shard-{k}" for k in range(num_shards)]
-    missing = [str(d / TRAIN_FILE) for d in shards if not (d / TRAIN_FILE).is_file()]
-    if num_shards < 1 or missing:
-        raise FileNotFoundError(
-            f"draft-data --merge {num_shards}: missing {missing or 'shards'}; run `dspark draft-data --out-dir "
-            f"{out}/shard-K --seed S` for every K in 0..{max(num_shards, 1) - 1} first"
-        )
-    result: dict[str, Any] = {"out_dir": str(out), "shards": num_shards}
-    from dspark.train.features import merge_feature_dirs
-
-    for split, name in (("train", TRAIN_FILE), ("validation", VALIDATION_FILE)):
-        found = [(d, DraftDataset.load(d / name)) for d in shards if (d / name).is_file()]
-        found = [(d, ds) for d, ds in found if len(ds)]
-        if not found:
-            continue
-        parts = [ds for _, ds in found]
-        merged = DraftDataset.concat(parts, parts[0].meta | {"split": split, "merged_shards": num_shards})
-        merged.save(out / name)
-        feature_dirs = [d / "features" / split for d, _ in found]
-        if all(f.is_dir() for f in feature_dirs):  # each shard's `prepare-features` cache: moved into one
-            merge_feature_dirs(feature_dirs, out / "features" / split, merged)
-        result[split] = {
-            "samples": len(merged),
-            "tokens": int(merged.tokens.size),
-            "loss_tokens": merged.num_loss_tokens,
-        }
-    manifests = [json.loads((d / MANIFEST_FILE).read_text()) for d in shards if (d / MANIFEST_FILE).is_file()]
-    result["manifests"] = manifests
-    (out / MANIFEST_FILE).write_text(json.dumps(result, indent=2) + "\n")
-    return result
-
-
 def _json_config(cfg: RegenerateConfig) -> dict[str, Any]:
     d = asdict(cfg)
     d["temperatures"] = list(cfg.temperatures)
