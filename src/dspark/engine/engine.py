@@ -173,11 +173,11 @@ class Engine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context "
                 f"length {self.max_model_len}; shorten the prompt or lower max_tokens"
             )
-        if self.blocks.allocator.pages_for(len(ids) + params.max_tokens + self.K + 1) > self.pool.num_pages:
+        pages = self.blocks.allocator.pages_for(len(ids) + params.max_tokens + self.K + 1)
+        if pages > self.pool.num_pages:
             raise EngineError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) alone needs "
-                f"{self.blocks.allocator.pages_for(len(ids) + params.max_tokens + self.K + 1)} KV pages but the pool "
-                f"has {self.pool.num_pages}; raise CacheConfig.num_pages"
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) alone needs {pages} KV pages but "
+                f"the pool has {self.pool.num_pages}; raise CacheConfig.num_pages"
             )
         if len(self.scheduler.waiting) >= self.cfg.max_waiting:
             raise EngineError(f"the waiting queue is full ({self.cfg.max_waiting}); retry later")

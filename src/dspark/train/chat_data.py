@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from dspark.train.features import FeatureWriter, merge_feature_dirs
+from dspark.train.features import FeatureWriter, join_shard_splits
 from dspark.train.regenerate import MANIFEST_FILE, TRAIN_FILE, VALIDATION_FILE, DraftDataset
 
 SPLITS = (("validation", VALIDATION_FILE), ("train", TRAIN_FILE))
@@ -226,20 +226,7 @@ def merge_shards(out_dir: str | Path, num_shards: int) -> dict[str, Any]:
     shard files are moved, not copied)."""
     out = Path(out_dir)
     shard_dirs = [out / f"shard-{k}" for k in range(num_shards)]
-    result: dict[str, Any] = {}
-    for split, file_name in SPLITS:
-        parts = [(d, DraftDataset.load(d / file_name)) for d in shard_dirs if (d / file_name).is_file()]
-        parts = [(d, ds) for d, ds in parts if len(ds)]
-        if not parts:
-            continue
-        merged = DraftDataset.concat([ds for _, ds in parts])
-        merged.save(out / file_name)
-        merge_feature_dirs([d / "features" / split for d, _ in parts], out / "features" / split, merged)
-        result[split] = {
-            "samples": len(merged),
-            "tokens": int(merged.tokens.size),
-            "loss_tokens": merged.num_loss_tokens,
-        }
+    result: dict[str, Any] = dict(join_shard_splits(out, shard_dirs, require_features=True))
     manifests = [json.loads((d / MANIFEST_FILE).read_text()) for d in shard_dirs if (d / MANIFEST_FILE).is_file()]
     result["generated_tokens"] = sum(m["generated_tokens"] for m in manifests)
     result["wall_clock_s"] = max((m["wall_clock_s"] for m in manifests), default=0.0)

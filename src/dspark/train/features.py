@@ -381,23 +381,32 @@ def merge_draft_data(out_dir: str | Path, num_shards: int) -> dict[str, Any]:
             f"{out}/shard-K --seed S` for every K in 0..{max(num_shards, 1) - 1} first"
         )
     result: dict[str, Any] = {"out_dir": str(out), "shards": num_shards}
-    for split, name in (("train", TRAIN_FILE), ("validation", VALIDATION_FILE)):
+    result |= join_shard_splits(out, shards, require_features=False)
+    manifests = [json.loads((d / MANIFEST_FILE).read_text()) for d in shards if (d / MANIFEST_FILE).is_file()]
+    result["manifests"] = manifests
+    (out / MANIFEST_FILE).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def join_shard_splits(out: Path, shards: Sequence[Path], require_features: bool) -> dict[str, dict[str, int]]:
+    """Each split's non-empty shard datasets (shard/{train,validation}.npz) concatenated into out/, with their
+    feature caches (shard/features/<split>) merged into out/features/<split>: always when ``require_features``,
+    else only when every contributing shard has one. → per split: samples, tokens, loss_tokens."""
+    stats: dict[str, dict[str, int]] = {}
+    for split, name in (("validation", VALIDATION_FILE), ("train", TRAIN_FILE)):
         found = [(d, DraftDataset.load(d / name)) for d in shards if (d / name).is_file()]
         found = [(d, ds) for d, ds in found if len(ds)]
         if not found:
             continue
         parts = [ds for _, ds in found]
-        merged = DraftDataset.concat(parts, parts[0].meta | {"split": split, "merged_shards": num_shards})
+        merged = DraftDataset.concat(parts, parts[0].meta | {"split": split, "merged_shards": len(shards)})
         merged.save(out / name)
         feature_dirs = [d / "features" / split for d, _ in found]
-        if all(f.is_dir() for f in feature_dirs):  # each shard's `prepare-features` cache: moved into one
+        if require_features or all(f.is_dir() for f in feature_dirs):
             merge_feature_dirs(feature_dirs, out / "features" / split, merged)
-        result[split] = {
+        stats[split] = {
             "samples": len(merged),
             "tokens": int(merged.tokens.size),
             "loss_tokens": merged.num_loss_tokens,
         }
-    manifests = [json.loads((d / MANIFEST_FILE).read_text()) for d in shards if (d / MANIFEST_FILE).is_file()]
-    result["manifests"] = manifests
-    (out / MANIFEST_FILE).write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return stats

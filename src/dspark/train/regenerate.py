@@ -336,6 +336,27 @@ def _make_samples(
     return samples, dropped
 
 
+def draw_prompts(cfg: RegenerateConfig, encode: Callable[[str], list[int]]) -> tuple[list[list[int]], list[list[int]]]:
+    """(train, validation) prompts drawn from the corpus splits as ``cfg`` asks (see :func:`corpus_prompts`)."""
+    corpus = Path(cfg.corpus_dir)
+
+    def texts(split: str) -> list[str]:
+        path = corpus / f"{split}.jsonl"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found; build the corpus with `python -m dspark.train.corpus {corpus}`")
+        return [d["text"] for d in iter_documents(path)]
+
+    kw = dict(
+        min_tokens=cfg.min_prompt_tokens,
+        max_tokens=cfg.max_prompt_tokens,
+        max_context=cfg.max_context,
+        long_fraction=cfg.long_fraction,
+        min_context=cfg.min_context,
+    )
+    train = corpus_prompts(texts("train"), encode, cfg.num_prompts, seed=cfg.seed, **kw)
+    return train, corpus_prompts(texts("validation"), encode, cfg.num_val_prompts, seed=cfg.seed + 1, **kw)
+
+
 def build_draft_dataset(cfg: RegenerateConfig) -> RegenerateResult:
     """Prompts from the corpus splits, responses from the target; writes train/validation .npz + manifest."""
     from dspark.llm import build_engine
@@ -344,14 +365,7 @@ def build_draft_dataset(cfg: RegenerateConfig) -> RegenerateResult:
     out = Path(cfg.out_dir)
     corpus = Path(cfg.corpus_dir)
     engine = build_engine(cfg.target_dir, None, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs, seed=cfg.seed)
-    tok = engine.tokenizer
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if cfg.progress else (lambda m: None)  # noqa: E731
-
-    def texts(split: str) -> list[str]:
-        path = corpus / f"{split}.jsonl"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} not found; build the corpus with `python -m dspark.train.corpus {corpus}`")
-        return [d["text"] for d in iter_documents(path)]
 
     longest = (cfg.max_context or cfg.max_prompt_tokens) + cfg.max_new_tokens
     if longest > engine.max_model_len:
@@ -359,16 +373,8 @@ def build_draft_dataset(cfg: RegenerateConfig) -> RegenerateResult:
             f"draft-data: prompts of up to {longest - cfg.max_new_tokens} tokens + max_new_tokens "
             f"{cfg.max_new_tokens} exceed the target's max_model_len {engine.max_model_len}; lower --max-context"
         )
-    kw = dict(
-        min_tokens=cfg.min_prompt_tokens,
-        max_tokens=cfg.max_prompt_tokens,
-        max_context=cfg.max_context,
-        long_fraction=cfg.long_fraction,
-        min_context=cfg.min_context,
-    )
-    encode = partial(tok.encode, add_special_tokens=False)  # text cut from inside a document: no BOS
-    train_prompts = corpus_prompts(texts("train"), encode, cfg.num_prompts, seed=cfg.seed, **kw)
-    val_prompts = corpus_prompts(texts("validation"), encode, cfg.num_val_prompts, seed=cfg.seed + 1, **kw)
+    encode = partial(engine.tokenizer.encode, add_special_tokens=False)  # text cut from inside a document: no BOS
+    train_prompts, val_prompts = draw_prompts(cfg, encode)
     say(f"draft-data: {len(train_prompts)} train + {len(val_prompts)} validation prompts from {corpus}")
 
     generated = 0
