@@ -1107,6 +1107,10 @@ class SpeculativeConfig:
     # drafts only from the N most frequent tokens of the drafter's draft_vocab.json (EAGLE-3's reduced draft vocab);
     # None: the file's default_size (full vocabulary without the file); 0: full vocabulary
     draft_vocab_size: int | None = None
+    # drafts only while speculative rounds emit more tokens per second than plain steps, measured per batch size
+    # (spec/guard.py); greedy output is unchanged, seeded sampled output may vary with the rounds taken
+    speculation_guard: bool = False
+    disable_by_batch_size: int | None = None  # vLLM's key: a decode step over more requests than this never drafts
 
     def __post_init__(self) -> None:
         src = "speculative config"
@@ -1125,6 +1129,14 @@ class SpeculativeConfig:
         attention_backend(self.attention_backend, src)  # validates; the substitute is announced once below
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise _fail(src, "prompt_lookup_min", self.prompt_lookup_min, "need 1 <= min <= prompt_lookup_max")
+        if not isinstance(self.speculation_guard, bool):
+            raise _fail(src, "speculation_guard", self.speculation_guard, "must be true or false")
+        if self.disable_by_batch_size is not None and (
+            not isinstance(self.disable_by_batch_size, int)
+            or isinstance(self.disable_by_batch_size, bool)
+            or self.disable_by_batch_size < 1
+        ):
+            raise _fail(src, "disable_by_batch_size", self.disable_by_batch_size, "must be null or a positive integer")
         if not 0 <= self.min_verify_len <= self.num_speculative_tokens:
             raise _fail(src, "min_verify_len", self.min_verify_len, "must be in [0, num_speculative_tokens]")
         self._check_drafter_keys(src)

@@ -11,7 +11,7 @@ from pathlib import Path
 from dspark.cli_common import float_list, int_list
 from dspark.config import DTYPES, ConfigError
 
-BASELINES_HELP = "dflash,ngram,dspark-adaptive,hf-generate,hf-prompt-lookup,vllm,vllm-ngram"
+BASELINES_HELP = "dflash,ngram,dspark-adaptive,dspark-guard,hf-generate,hf-prompt-lookup,vllm,vllm-ngram"
 
 
 def _names(text: str) -> tuple[str, ...] | None:

@@ -29,7 +29,16 @@ from dspark.engine.metrics import DecodeTimes, tau_bound
 from dspark.sampling_params import SamplingParams
 
 AR = "ar"
-ENGINE_METHODS = ("ar", "dspark", "dflash", "ngram", "dspark-adaptive", "dspark-window", "dspark-vocab")
+ENGINE_METHODS = (
+    "ar",
+    "dspark",
+    "dflash",
+    "ngram",
+    "dspark-adaptive",
+    "dspark-guard",
+    "dspark-window",
+    "dspark-vocab",
+)
 HF_METHODS = ("hf-generate", "hf-prompt-lookup")
 VLLM_METHODS = ("vllm", "vllm-ngram")
 ALL_METHODS = ENGINE_METHODS + HF_METHODS + VLLM_METHODS
@@ -41,6 +50,7 @@ DISPLAY_ORDER = (
     "dspark-window",
     "dspark-vocab",
     "dspark-adaptive",
+    "dspark-guard",
     "dflash",
     "ngram",
     "vllm-ngram",
@@ -368,6 +378,8 @@ def _spec_for(
     spec = {"method": "dspark", "model": str(res.draft_dir), "num_speculative_tokens": k}
     if name == "dspark-adaptive":
         spec["enable_adaptive_verification"] = True
+    if name == "dspark-guard":
+        spec["speculation_guard"] = True
     if name == "dspark-window":
         spec["draft_window"] = window
     if name == "dspark-vocab":

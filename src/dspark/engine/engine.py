@@ -31,6 +31,7 @@ from dspark.profiling import scope
 from dspark.sampling_params import SamplingParams
 from dspark.spec.accept import accept, sample_next
 from dspark.spec.draft_vocab import DraftVocab, read_draft_vocab
+from dspark.spec.guard import SpeculationGuard
 from dspark.spec.propose import Proposal, SamplingTensors
 from dspark.spec.schedule import SpsTable, choose_verify_lengths, default_cost_model, load_sts
 from dspark.tokenizer import ByteTokenizer, HFTokenizer
@@ -135,6 +136,7 @@ class Engine:
             self.restrict_draft_vocab(read_draft_vocab(draft_dir, self.spec.draft_vocab_size, tcfg.vocab_size))
         self.metrics = EngineMetrics(log_interval_s=self.cfg.log_stats_interval_s)
         self.adaptive = adaptive
+        self.guard = SpeculationGuard() if self.spec is not None and self.spec.speculation_guard else None
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._updated: list[Request] = []
@@ -266,13 +268,18 @@ class Engine:
         t0 = time.perf_counter()
         with scope("step.metadata"):
             sampling = self.runner.sampling_tensors(decodes, self.K + 1)
-        proposal = self._propose(decodes, sampling)  # drafter block, n-gram lookup, or none
+        guarded = self.guard is not None and self._may_draft(len(decodes))  # the guard decides this step
+        drafting = self.guard.drafting(len(decodes)) if guarded else self._may_draft(len(decodes))
+        proposal = self._propose(decodes, sampling) if drafting else None  # drafter block, n-gram lookup, or none
         t1 = time.perf_counter()
         lengths = self._verify_lengths(decodes, proposal)  # fixed K or Algorithm 1
         logits = self._verify(decodes, proposal, lengths)  # one target forward over [anchor, d_1..d_L]
         t2 = time.perf_counter()
-        self._accept_and_commit(decodes, proposal, lengths, logits, sampling)
-        self.metrics.decode = self.metrics.decode.plus(t1 - t0, t2 - t1, time.perf_counter() - t0)
+        emitted = self._accept_and_commit(decodes, proposal, lengths, logits, sampling)
+        t3 = time.perf_counter()
+        self.metrics.decode = self.metrics.decode.plus(t1 - t0, t2 - t1, t3 - t0)
+        if guarded:
+            self.guard.observe(len(decodes), drafting, emitted, t3 - t0)
 
     def _prefill(self, chunks: list[PrefillChunk]) -> None:
         reqs = [c.request for c in chunks]
@@ -289,6 +296,12 @@ class Engine:
             for req, tok in zip(sub, tokens_out):
                 self._append(req, [tok])
         self.runner.commit_states()  # last: a phase that raises is rerun from the states it started with
+
+    def _may_draft(self, batch_size: int) -> bool:
+        """Speculation is configured and a step over ``batch_size`` requests is within ``disable_by_batch_size``
+        (when drafting is allowed, the speculation guard, if on, decides whether it pays)."""
+        limit = self.spec.disable_by_batch_size if self.spec is not None else None
+        return self.spec is not None and (limit is None or batch_size <= limit)
 
     def _propose(self, reqs: list[Request], sampling: SamplingTensors) -> Proposal | None:
         if self.spec is None:
@@ -330,7 +343,8 @@ class Engine:
         lengths: list[int],
         logits: torch.Tensor,
         sampling: SamplingTensors,
-    ) -> None:
+    ) -> int:
+        """Accept, commit, and return the tokens the step emitted (accepted drafts + one per request)."""
         with scope("step.accept"):
             if proposal is None:
                 accepted = [0] * len(reqs)
@@ -343,6 +357,7 @@ class Engine:
                 accepted, nxt = res.num_accepted.tolist(), res.next_token.tolist()
         with scope("step.commit"):
             self._commit(reqs, proposal, lengths, accepted, nxt)
+        return sum(accepted) + len(reqs)
 
     def _commit(
         self, reqs: list[Request], proposal: Proposal | None, lengths: list[int], accepted: list[int], nxt: list[int]

@@ -1,0 +1,104 @@
+"""Speculation that never runs slower than plain decoding: a measured on/off switch for drafting.
+
+A speculative round pays when its accepted tokens outweigh its cost (a drafter pass plus a K+1-row verify). That
+depends on what the engine cannot know in advance: how predictable the text is (τ falls with context depth, on
+chat, at high temperature), how many requests share the step (verify rows stop being free at high concurrency),
+and the machine. ``SpeculationGuard`` measures it instead. For every batch-size bucket it keeps the tokens emitted
+per second of speculative rounds and of plain steps (exponential moving averages of tokens and of seconds), lets
+the faster mode lead, and every ``period`` steps of the leader runs ``probe`` steps of the other mode to refresh
+its estimate (the text, the depth and the machine's load drift). Either mode samples from the target's
+distribution, so switching never changes what a request can produce (greedy output is identical token for token);
+only seeded sampled output, which depends on the rounds taken, may differ from run to run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Mode:
+    tokens: float = 0.0  # EMA of tokens emitted per step
+    seconds: float = 0.0  # EMA of seconds per step
+    steps: int = 0
+
+    def observe(self, tokens: int, seconds: float, alpha: float) -> None:
+        if self.steps == 0:
+            self.tokens, self.seconds = float(tokens), seconds
+        else:
+            self.tokens += alpha * (tokens - self.tokens)
+            self.seconds += alpha * (seconds - self.seconds)
+        self.steps += 1
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _Bucket:
+    draft: _Mode = field(default_factory=_Mode)
+    plain: _Mode = field(default_factory=_Mode)
+    leader_drafts: bool = True  # speculation leads until plain steps have been measured against it
+    until_probe: int = 0  # leader steps left before the next probe
+    probe_left: int = 0  # probe steps (the other mode) still to run
+
+
+@dataclass
+class SpeculationGuard:
+    period: int = 32  # leader steps between two probes of the other mode
+    probe: int = 2  # steps per probe
+    warmup: int = 4  # speculative rounds before the first probe of plain decoding
+    alpha: float = 0.3  # EMA weight of the newest step
+    buckets: dict[int, _Bucket] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.period < 1 or self.probe < 1 or self.warmup < 0 or not 0.0 < self.alpha <= 1.0:
+            raise ValueError(
+                f"speculation guard: period={self.period}, probe={self.probe}, warmup={self.warmup}, "
+                f"alpha={self.alpha}; need period >= 1, probe >= 1, warmup >= 0, 0 < alpha <= 1"
+            )
+
+    def _bucket(self, batch_size: int) -> _Bucket:
+        key = max(1, batch_size).bit_length()  # 1, 2-3, 4-7, 8-15, ...: similar verify economics
+        if key not in self.buckets:
+            self.buckets[key] = _Bucket(until_probe=self.warmup)
+        return self.buckets[key]
+
+    def drafting(self, batch_size: int) -> bool:
+        """Whether a decode step over ``batch_size`` requests should draft."""
+        b = self._bucket(batch_size)
+        return b.leader_drafts != (b.probe_left > 0)
+
+    def observe(self, batch_size: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """Record one decode step: whether it drafted, the tokens it emitted and its wall time."""
+        b = self._bucket(batch_size)
+        (b.draft if drafted else b.plain).observe(tokens, seconds, self.alpha)
+        if drafted != b.leader_drafts:  # a probe step
+            b.probe_left = max(0, b.probe_left - 1)
+            if b.probe_left == 0:
+                self._elect(b)
+            return
+        b.until_probe -= 1
+        if b.until_probe <= 0 and b.probe_left == 0:
+            b.probe_left = self.probe
+
+    def _elect(self, b: _Bucket) -> None:
+        """After a probe: the faster measured mode leads for the next ``period`` steps."""
+        if b.draft.steps and b.plain.steps:
+            b.leader_drafts = b.draft.rate >= b.plain.rate
+        b.until_probe = self.period
+
+    def report(self) -> dict[str, dict[str, float | int | bool]]:
+        """Per batch-size bucket ('1', '2-3', ...): measured tokens/s of each mode, steps, and who leads."""
+        out = {}
+        for key, b in sorted(self.buckets.items()):
+            lo, hi = 1 << (key - 1), (1 << key) - 1
+            out[str(lo) if lo == hi else f"{lo}-{hi}"] = {
+                "draft_tok_s": round(b.draft.rate, 2),
+                "plain_tok_s": round(b.plain.rate, 2),
+                "draft_steps": b.draft.steps,
+                "plain_steps": b.plain.steps,
+                "drafting": b.leader_drafts,
+            }
+        return out

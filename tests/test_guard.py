@@ -1,0 +1,117 @@
+"""The speculation guard (drafting only while it pays) and vLLM's disable_by_batch_size: the switch follows the
+measured rates, and switching never changes a greedy token."""
+
+import pytest
+import torch
+
+from dspark.config import ConfigError, EngineConfig, SpeculativeConfig
+from dspark.engine.engine import Engine
+from dspark.llm import LLM
+from dspark.models.tiny import build_tiny_pair
+from dspark.sampling_params import SamplingParams
+from dspark.spec.guard import SpeculationGuard
+
+
+def _drive(guard: SpeculationGuard, steps: int, draft_rate: float, plain_rate: float, batch: int = 1) -> list[bool]:
+    """Run ``steps`` decode steps whose modes emit at the given tokens/s (one second per step); return the modes."""
+    modes = []
+    for _ in range(steps):
+        drafting = guard.drafting(batch)
+        modes.append(drafting)
+        guard.observe(batch, drafting, round(draft_rate if drafting else plain_rate), 1.0)
+    return modes
+
+
+def test_guard_turns_drafting_off_when_plain_steps_are_faster_and_keeps_probing():
+    guard = SpeculationGuard(period=10, probe=2, warmup=3)
+    modes = _drive(guard, 60, draft_rate=2, plain_rate=3)
+    assert modes[:3] == [True] * 3  # warm-up rounds, then the first probe of plain decoding
+    assert modes[3:5] == [False, False]
+    after = "".join("d" if m else "p" for m in modes[5:])
+    runs = [r for r in after.split("p") if r]
+    assert len(runs) >= 4 and set(runs[:-1]) == {"dd"}  # probes of speculation keep coming, two rounds each
+    assert after.count("p") > 4 * after.count("d")  # plain leads
+    assert guard.report()["1"]["drafting"] is False
+
+
+def test_guard_keeps_drafting_when_rounds_pay_and_decides_per_batch_size():
+    guard = SpeculationGuard(period=10, probe=2, warmup=3)
+    fast = _drive(guard, 60, draft_rate=5, plain_rate=1, batch=1)
+    slow = _drive(guard, 60, draft_rate=1, plain_rate=5, batch=16)
+    assert fast.count(False) <= 2 * (60 // 10 + 1) and fast[-1] is True
+    assert slow.count(True) < 20
+    rep = guard.report()
+    assert rep["1"]["drafting"] is True and rep["16-31"]["drafting"] is False
+    assert rep["1"]["draft_tok_s"] == 5.0 and rep["16-31"]["plain_tok_s"] == 5.0
+
+
+def test_guard_follows_a_change_of_regime():
+    guard = SpeculationGuard(period=8, probe=2, warmup=2, alpha=0.5)
+    _drive(guard, 40, draft_rate=6, plain_rate=2)
+    assert guard.drafting(1)
+    modes = _drive(guard, 80, draft_rate=1, plain_rate=2)  # the text stopped being predictable
+    assert modes[-10:].count(False) >= 8
+
+
+def test_guard_rejects_bad_settings():
+    with pytest.raises(ValueError, match="period"):
+        SpeculationGuard(period=0)
+    with pytest.raises(ValueError, match="alpha"):
+        SpeculationGuard(alpha=0.0)
+
+
+@pytest.mark.parametrize(
+    "key, value", [("speculation_guard", "yes"), ("disable_by_batch_size", 0), ("disable_by_batch_size", True)]
+)
+def test_spec_config_rejects_bad_guard_keys(key, value):
+    with pytest.raises(ConfigError, match=key):
+        SpeculativeConfig.from_dict({"method": "dspark", key: value})
+
+
+def _greedy(spec: SpeculativeConfig | None, guard: SpeculationGuard | None = None, seqs: int = 4):
+    torch.manual_seed(0)
+    target, drafter = build_tiny_pair(3)
+    engine = Engine(target, drafter, spec, EngineConfig(dtype="float32", max_num_seqs=seqs))
+    if guard is not None:
+        engine.guard = guard
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(4, 96, (n,), generator=g).tolist() for n in (5, 17, 30)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m) for m in (24, 16, 20)]
+    outs = LLM.from_engine(engine).generate(prompts, params)
+    return [o.token_ids for o in outs], engine
+
+
+@pytest.mark.parametrize("method", ["dspark", "ngram"])
+def test_guarded_speculation_emits_the_target_greedy_tokens(method):
+    expected, _ = _greedy(None)
+    spec = SpeculativeConfig(method=method, num_speculative_tokens=3, speculation_guard=True)
+    got, engine = _greedy(spec, SpeculationGuard(period=1, probe=1, warmup=1))  # switches modes every few steps
+    assert got == expected
+    modes = [(b.draft.steps, b.plain.steps) for b in engine.guard.buckets.values()]
+    assert sum(d for d, _ in modes) > 0 and sum(p for _, p in modes) > 0  # both kinds of step ran
+
+
+def test_disable_by_batch_size_skips_drafting_for_larger_steps_only():
+    expected, _ = _greedy(None)
+    spec = SpeculativeConfig(method="dspark", num_speculative_tokens=3, disable_by_batch_size=1)
+    torch.manual_seed(0)
+    seen: dict[str, list[int]] = {"steps": [], "drafted": []}
+    engine = Engine(*build_tiny_pair(3), spec, EngineConfig(dtype="float32", max_num_seqs=4))
+    decode, propose = engine._decode, engine.runner.propose_draft
+
+    def spy_decode(reqs):
+        seen["steps"].append(len(reqs))
+        return decode(reqs)
+
+    def spy_propose(reqs, *a, **kw):
+        seen["drafted"].append(len(reqs))
+        return propose(reqs, *a, **kw)
+
+    engine._decode, engine.runner.propose_draft = spy_decode, spy_propose
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(4, 96, (n,), generator=g).tolist() for n in (5, 17, 30)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m) for m in (24, 16, 20)]
+    got = [o.token_ids for o in LLM.from_engine(engine).generate(prompts, params)]
+    assert got == expected
+    assert max(seen["steps"]) > 1 and seen["drafted"] and set(seen["drafted"]) == {1}
+    assert len(seen["drafted"]) == seen["steps"].count(1)  # every lone step drafted, no larger one did
