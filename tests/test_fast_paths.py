@@ -15,10 +15,17 @@ from dspark.llm import LLM
 from dspark.models.k3 import K3MoE
 from dspark.models.layers import RMSNorm, grouped_sdpa
 from dspark.models.llama import LlamaTarget
-from dspark.models.packing import Linear, PackedWeight, can_pack
+from dspark.models.packing import Linear, PackedWeight, can_pack, pack_for_inference
 from dspark.models.rope import apply_rope, apply_rope_half, half_rotation_tables
-from dspark.models.target import MoE, dense_experts, gathered_experts, grouped_experts, routed_experts
-from dspark.models.tiny import build_tiny_gqa_pair, build_tiny_hybrid_pair, build_tiny_pair, tiny_gqa_config
+from dspark.models.target import MLATarget, MoE, dense_experts, gathered_experts, grouped_experts, routed_experts
+from dspark.models.tiny import (
+    build_tiny_gqa_pair,
+    build_tiny_hybrid_pair,
+    build_tiny_pair,
+    randomize_,
+    tiny_gqa_config,
+    tiny_target_config,
+)
 from dspark.sampling_params import SamplingParams
 
 needs_pack = pytest.mark.skipif(
@@ -99,6 +106,37 @@ def test_fused_qkv_equals_three_projections(family: str) -> None:
     # grad mode (training) still runs, through the separate projections, on the re-pointed parameters
     target(ids).logits.sum().backward()
     assert target.model.layers[0].self_attn.q_proj.weight.grad is not None
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 24])
+def test_fused_mla_projections_equal_the_separate_ones(q_lora_rank: int | None) -> None:
+    torch.manual_seed(1)
+    target = MLATarget(tiny_target_config(q_lora_rank=q_lora_rank, moe=False)).eval()  # no routing flips in bf16
+    randomize_(target, seed=3)
+    ids = torch.randint(0, 96, (2, 9))
+    positions = torch.arange(3, 12).expand(2, 9)  # past position 0: RoPE rotates every row
+    half = copy.deepcopy(target).bfloat16()
+    with torch.no_grad():
+        ref = target(ids, positions, tap_layers=(0, 2)).logits
+        target.fuse_for_inference()
+        assert all(layer.self_attn._linked_xproj() is not None for layer in target.model.layers)
+        assert torch.equal(target(ids, positions, tap_layers=(0, 2)).logits, ref)  # fp32: the reference path
+        ref16 = half(ids, positions).logits.float()
+        attn = half.model.layers[1].self_attn
+        x = torch.randn(2, 9, 32).bfloat16()
+        cos, sin = half.rotary.cos_sin(positions)
+        parts = attn.latent(x, cos, sin), *attn.query(x, cos, sin)
+        half.fuse_for_inference()
+        pack_for_inference(half)
+        assert attn.packed_count() == int(can_pack(attn._linked_xproj()[0]))
+        fused = attn.project(x, cos, sin)  # one GEMM, q and k rotated in one call: equal up to bf16 rounding
+        for got, want in zip(fused, parts):
+            torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=0.02 * float(want.abs().max()))
+        torch.testing.assert_close(
+            half(ids, positions).logits.float(), ref16, rtol=0, atol=0.02 * float(ref16.abs().max())
+        )
+    target(ids).logits.sum().backward()  # training runs the separate projections on the re-pointed parameters
+    assert target.model.layers[0].self_attn.kv_a_proj_with_mqa.weight.grad is not None
 
 
 def test_gathered_and_dense_experts_equal_grouped_experts() -> None:

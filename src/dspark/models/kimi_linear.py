@@ -117,15 +117,14 @@ class KimiLinearTarget(DecoderTarget):
 
     def fuse_for_inference(self) -> None:
         """bf16/fp16: fused FFN weights (see DecoderTarget: SiTU experts stacked too) and each KDA layer's six
-        input projections. fp32 weights stay as loaded: fused expert GEMMs round a few fp32 outputs differently,
-        and fp32 is the reference the transformers parity tests pin bit for bit. Idempotent."""
+        input projections (MLA layers: q|kv_a). fp32 weights stay as loaded: fused expert GEMMs round a few fp32
+        outputs differently, and fp32 is the reference the transformers parity tests pin bit for bit. Idempotent."""
         if self.lm_head.weight.dtype == torch.float32:
             return
         super().fuse_for_inference()
         with torch.inference_mode(False), torch.no_grad():
             for layer in self.model.layers:
-                if layer.is_kda:
-                    layer.self_attn.fuse()
+                layer.self_attn.fuse()  # KDA: its six input projections; MLA: q|kv_a
 
     # the Target protocol ---------------------------------------------------------------------------
     @property

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.config import MLAConfig
-from dspark.models.layers import RMSNorm, attention_bias, grouped_sdpa
-from dspark.models.packing import Linear, version_of
+from dspark.models.layers import RMSNorm, attention_bias, blocks_of, fuse_rows, grouped_sdpa
+from dspark.models.packing import Linear, Packable, PackedWeight, packed_linear, version_of
 from dspark.models.rope import apply_rope
 from dspark.profiling import scope
 
@@ -34,7 +34,11 @@ class LatentStore(Protocol):
         ...
 
 
-class MLAttention(nn.Module):
+class MLAttention(nn.Module, Packable):
+    """MLA over a latent store. Inference in bf16/fp16 (``fuse()``, no grad) runs the two projections of x (q or
+    q_a, and kv_a) as one GEMM over a fused weight and rotates the query and key RoPE parts in one call (vLLM's
+    fused_qkv_a_proj); fp32, training and unfused modules run them apart (the same values up to rounding: tested)."""
+
     def __init__(self, cfg: MLAConfig, layer_idx: int, backend: str = "torch") -> None:
         super().__init__()
         self.cfg = cfg
@@ -55,7 +59,64 @@ class MLAttention(nn.Module):
         self.o_proj = Linear(H * cfg.v_head_dim, D, bias=cfg.attention_bias)
         self.scale = cfg.softmax_scale
 
+    # ---- fused q|kv_a for inference ------------------------------------------------------------------
+
+    def _x_projections(self) -> tuple[Linear, Linear]:
+        first = self.q_proj if self.cfg.q_lora_rank is None else self.q_a_proj
+        return first, self.kv_a_proj_with_mqa
+
+    def fuse(self) -> None:
+        """Store the weights (and biases) of the projections of x as row blocks of one tensor; idempotent. Not
+        when only one of them has a bias (a fused GEMM would need a zero block)."""
+        parts = self._x_projections()
+        if self._linked_xproj() is None and (parts[0].bias is None) == (parts[1].bias is None):
+            self.__dict__["_xproj"] = fuse_rows(parts)
+
+    def _linked_xproj(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        fused = self.__dict__.get("_xproj")
+        if fused is None:
+            return None
+        (w, b), parts = fused, self._x_projections()
+        if not blocks_of(w, tuple(p.weight for p in parts)):
+            return None
+        if b is not None and not blocks_of(b, tuple(p.bias for p in parts)):
+            return None
+        return fused
+
+    def pack(self) -> None:
+        fused = self._linked_xproj()
+        self.__dict__["_xproj_packed"] = None if fused is None else PackedWeight.of(fused[0])
+        if fused is not None:
+            for lin in self._x_projections():
+                lin.__dict__["_packed"] = None
+
+    def packed_count(self) -> int:
+        fused, packed = self._linked_xproj(), self.__dict__.get("_xproj_packed")
+        return int(fused is not None and packed is not None and packed.matches(fused[0]))
+
     # ---- projections -------------------------------------------------------------------------------
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, D] → (cached latent [B, T, C+R], q_nope [B, T, H, Dn], rotated q_pe [B, T, H, R])."""
+        # fp32 (the bit-exact reference) keeps two GEMMs: one wider GEMM may round a few outputs differently
+        fused = None if torch.is_grad_enabled() or x.dtype == torch.float32 else self._linked_xproj()
+        if fused is None:
+            return self.latent(x, cos, sin), *self.query(x, cos, sin)
+        B, T, _ = x.shape
+        cfg, H = self.cfg, self.cfg.num_heads
+        first = self._x_projections()[0].out_features
+        out = packed_linear(x, fused[0], fused[1], self.__dict__.get("_xproj_packed"))
+        q, c_kv, k_pe = out.split([first, cfg.kv_lora_rank, cfg.qk_rope_head_dim], -1)
+        if cfg.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        q_nope, q_pe = q.view(B, T, H, cfg.qk_head_dim).split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], -1)
+        if not cfg.use_nope:  # the query heads and the key in one rotation
+            pe = torch.cat((q_pe, k_pe[:, :, None]), 2)
+            pe = apply_rope(pe, cos[:, :, None], sin[:, :, None], cfg.rope.interleave)
+            q_pe, k_pe = pe[:, :, :H], pe[:, :, H]
+        return torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1), q_nope, q_pe
 
     def latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, T, D] → cached latent [B, T, C+R] = [kv_a_layernorm(c_kv) | rope(k_pe)]."""
@@ -172,10 +233,10 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         """x [B,T,D]; cos/sin [B,T,R/2]; mask [B,T,S] or attention_bias [B,1,T,S] (S = T without a store) → [B,T,D]."""
         with scope("attn.proj"):
-            latent = self.latent(x, cos, sin)
+            latent, q_nope, q_pe = self.project(x, cos, sin)
         with scope("cache"):
             kv = latent if store is None else store.update(self.layer_idx, latent)
-        return self.attend_from_kv(x, cos, sin, kv, mask, absorbed)
+        return self.attend_queries(x, q_nope, q_pe, kv, mask, absorbed)
 
     def attend_from_kv(
         self,
@@ -189,6 +250,18 @@ class MLAttention(nn.Module):
         """Queries from x [B,T,D] over given latents kv [B,S,C+R] → [B,T,D] (used by the drafter's block rows)."""
         with scope("attn.proj"):
             q_nope, q_pe = self.query(x, cos, sin)
+        return self.attend_queries(x, q_nope, q_pe, kv, mask, absorbed)
+
+    def attend_queries(
+        self,
+        x: torch.Tensor,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv: torch.Tensor,
+        mask: torch.Tensor,
+        absorbed: bool = True,
+    ) -> torch.Tensor:
+        """Projected queries over latents kv [B,S,C+R], then the output projection (x feeds the output gate)."""
         with scope("attn.core"):
             attend = self.attend_absorbed if absorbed else self.attend_naive
             out = attend(q_nope, q_pe, kv.to(q_nope.dtype), mask)

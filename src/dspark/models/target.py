@@ -17,7 +17,7 @@ from torch import nn
 from dspark.config import TargetConfig
 from dspark.models.layers import DecoderTarget, RMSNorm, SwiGLU, attention_bias, causal_mask, no_empty_rows
 from dspark.models.mla import LatentStore, MLAttention
-from dspark.models.packing import Packable
+from dspark.models.packing import Packable, version_of
 from dspark.models.protocol import PageFormat, StateSpec, TargetOutput, head_output
 from dspark.profiling import scope
 
@@ -44,9 +44,10 @@ class MoEGate(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, D] → expert indices [N, k], weights [N, k] (fp32)."""
         cfg = self.cfg
-        logits = F.linear(x.float(), self.weight.float())
+        weight, bias = self._fp32_params()
+        logits = F.linear(x.float(), weight)
         scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(-1)
-        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias.float()
+        choice = scores if bias is None else scores + bias
         if cfg.topk_method != "greedy" and cfg.n_group > 1:
             grouped = choice.view(x.shape[0], cfg.n_group, -1)
             if cfg.topk_method == "noaux_tc":
@@ -60,7 +61,20 @@ class MoEGate(nn.Module):
         weights = scores.gather(1, idx)
         if cfg.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return idx, weights * cfg.routed_scaling_factor
+        return idx, weights if cfg.routed_scaling_factor == 1.0 else weights * cfg.routed_scaling_factor
+
+    def _fp32_params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The router's weight and correction bias in fp32. Outside grad mode the copies are cached (rebuilt when
+        either tensor changes: pointer, dtype, in-place version), so a bf16 model does not convert them per step."""
+        w, b = self.weight, self.e_score_correction_bias
+        if torch.is_grad_enabled():
+            return w.float(), None if b is None else b.float()
+        key = (w.data_ptr(), w.dtype, version_of(w), None if b is None else (b.data_ptr(), b.dtype, version_of(b)))
+        cached = self.__dict__.get("_fp32_cache")
+        if cached is None or cached[0] != key:
+            cached = (key, (w.float(), None if b is None else b.float()))
+            self.__dict__["_fp32_cache"] = cached
+        return cached[1]
 
 
 class MoE(nn.Module, Packable):
@@ -286,6 +300,13 @@ class MLATarget(DecoderTarget):
 
     def __init__(self, cfg: TargetConfig) -> None:
         super().__init__(cfg, _Backbone(cfg), cfg.hidden_size, cfg.vocab_size, cfg.tie_word_embeddings, cfg.rope)
+
+    def fuse_for_inference(self) -> None:
+        """Fused gate|up MLP, stacked experts and q|kv_a attention weights for inference (see DecoderTarget)."""
+        super().fuse_for_inference()
+        with torch.inference_mode(False), torch.no_grad():
+            for layer in self.model.layers:
+                layer.self_attn.fuse()
 
     # the Target protocol ---------------------------------------------------------------------------
     @property
