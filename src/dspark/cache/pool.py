@@ -11,7 +11,7 @@ Rollback is setting a request's length: stale rows are overwritten later and mas
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,11 +27,16 @@ class BatchStore:
     read_slots: torch.Tensor  # [B, S] flat slot per visible key position (padding → any slot, masked)
     layer_offset: int = 0
     read_start: int | None = None  # one request whose S read slots are start..start+S-1: read in place
+    _flat_writes: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_flat_writes", self.write_slots.reshape(-1))  # once per forward, not per layer
 
     def write(self, layer: int, rows: torch.Tensor) -> None:
         """Store rows [B, T, W] at the write slots of ``layer``."""
         cache = self.pool[self.layer_offset + layer]
-        cache.index_copy_(0, self.write_slots.reshape(-1), rows.reshape(-1, rows.shape[-1]).to(cache.dtype))
+        flat = rows.reshape(-1, rows.shape[-1])
+        cache.index_copy_(0, self._flat_writes, flat if flat.dtype == cache.dtype else flat.to(cache.dtype))
 
     def read(self, layer: int) -> torch.Tensor:
         """The rows at the read slots of ``layer``: [B, S, W] (a view of the pool when ``read_start`` is set, else a
