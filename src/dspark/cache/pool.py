@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspark.models.layers import same_dtype
 from dspark.models.protocol import PageFormat
 
 
@@ -34,22 +35,27 @@ class BatchStore:
 
     def write(self, layer: int, rows: torch.Tensor) -> None:
         """Store rows [B, T, W] at the write slots of ``layer``."""
-        cache = self.pool[self.layer_offset + layer]
+        self._write(self.pool[self.layer_offset + layer], rows)
+
+    def _write(self, plane: torch.Tensor, rows: torch.Tensor) -> None:
         flat = rows.reshape(-1, rows.shape[-1])
-        cache.index_copy_(0, self._flat_writes, flat if flat.dtype == cache.dtype else flat.to(cache.dtype))
+        plane.index_copy_(0, self._flat_writes, same_dtype(flat, plane.dtype))
 
     def read(self, layer: int) -> torch.Tensor:
         """The rows at the read slots of ``layer``: [B, S, W] (a view of the pool when ``read_start`` is set, else a
         gathered copy)."""
-        plane = self.pool[self.layer_offset + layer]
+        return self._read(self.pool[self.layer_offset + layer])
+
+    def _read(self, plane: torch.Tensor) -> torch.Tensor:
         if self.read_start is not None:
-            return plane[self.read_start : self.read_start + self.read_slots.shape[1]].unsqueeze(0)
+            return plane[None, self.read_start : self.read_start + self.read_slots.shape[1]]
         return plane[self.read_slots]
 
     def update(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
-        """rows [B, T, W] → keys [B, S, W] after writing the new rows."""
-        self.write(layer, rows)
-        return self.read(layer)
+        """rows [B, T, W] → keys [B, S, W] after writing the new rows (the layer's plane selected once)."""
+        plane = self.pool[self.layer_offset + layer]
+        self._write(plane, rows)
+        return self._read(plane)
 
 
 class PagedPool:

@@ -100,6 +100,11 @@ class SwiGLU(nn.Module, Packable):
         return g
 
 
+def same_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` without dispatching a no-op cast when it already has that dtype (one op less per layer)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def blocks_of(fused: torch.Tensor | None, parts: tuple[torch.Tensor, ...]) -> bool:
     """parts are still consecutive row blocks of fused, in order (pointer arithmetic only: no tensor op)."""
     if fused is None:

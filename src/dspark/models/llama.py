@@ -25,6 +25,7 @@ from dspark.models.layers import (
     fuse_rows,
     grouped_sdpa,
     no_empty_rows,
+    same_dtype,
 )
 from dspark.models.packing import Linear, Packable, PackedWeight, packed_linear
 from dspark.models.protocol import CacheView, PageFormat, StateSpec, TargetOutput, head_output
@@ -123,8 +124,8 @@ class GQAttention(nn.Module, Packable):
             kv = rows if cache is None else cache.update(self.layer_idx, rows)
         with scope("attn.core"):
             S = kv.shape[1]
-            k, v = kv.to(q.dtype).view(B, S, 2, self.num_kv, self.head_dim).unbind(2)  # [B, S, n_kv, hd] each
-            bias = attention_bias(mask).to(q.dtype)
+            kv, bias = same_dtype(kv, q.dtype), same_dtype(attention_bias(mask), q.dtype)
+            k, v = kv.view(B, S, 2, self.num_kv, self.head_dim).unbind(2)  # [B, S, n_kv, hd] each
             out = grouped_sdpa(q, k.transpose(1, 2), v.transpose(1, 2), bias, self.scale)
             return self.o_proj(out.transpose(1, 2).flatten(2))
 

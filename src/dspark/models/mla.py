@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.config import MLAConfig
-from dspark.models.layers import RMSNorm, attention_bias, blocks_of, fuse_rows, grouped_sdpa
+from dspark.models.layers import RMSNorm, attention_bias, blocks_of, fuse_rows, grouped_sdpa, same_dtype
 from dspark.models.packing import Linear, Packable, PackedWeight, packed_linear, version_of
 from dspark.models.rope import apply_rope
 from dspark.profiling import scope
@@ -264,7 +264,7 @@ class MLAttention(nn.Module, Packable):
         """Projected queries over latents kv [B,S,C+R], then the output projection (x feeds the output gate)."""
         with scope("attn.core"):
             attend = self.attend_absorbed if absorbed else self.attend_naive
-            out = attend(q_nope, q_pe, kv if kv.dtype == q_nope.dtype else kv.to(q_nope.dtype), mask)
+            out = attend(q_nope, q_pe, same_dtype(kv, q_nope.dtype), mask)
             if self.cfg.use_output_gate:
                 out = out * torch.sigmoid(self.g_proj(x))
             return self.o_proj(out)

@@ -119,5 +119,4 @@ def apply_rope_half(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> 
     ``half_rotation_tables``: x·(cos|cos) + (x2|x1)·(−sin|sin), in fewer ops and bit for bit the same values
     (x1·cos + x2·(−sin) is x1·cos − x2·sin exactly in IEEE arithmetic; tested)."""
     xf = x.float()
-    half = xf.shape[-1] // 2
-    return (xf * cos2 + torch.cat((xf[..., half:], xf[..., :half]), -1) * sin2).to(x.dtype)
+    return (xf * cos2 + xf.roll(xf.shape[-1] // 2, -1) * sin2).to(x.dtype)  # roll by half: (x2 | x1), one op
