@@ -479,8 +479,10 @@ def test_sharded_draft_data_with_features_merges_into_one_cache(target, tmp_path
         ds.save(tmp_path / f"shard-{k}" / "train.npz")
         prepare_features(target, ds, tmp_path / f"shard-{k}" / "features" / "train", taps, "float32", autocast=False)
     merge_draft_data(tmp_path, 2)
+    merge_draft_data(tmp_path, 2)  # the shards stay complete caches: merging again (e.g. with more shards) works
     data = DraftDataset.load(tmp_path / "train.npz")
     assert len(data) == 7
+    FeatureCache(tmp_path / "shard-1" / "features" / "train", parts[1], taps)  # a shard's own cache is intact
     cache = FeatureCache(tmp_path / "features" / "train", data, taps)  # checks the dataset fingerprint
     for i in (0, 2, 3, 6):
         x, _ = data[i]

@@ -223,7 +223,7 @@ def _jsonable(cfg: ChatDataConfig) -> dict[str, Any]:
 
 def merge_shards(out_dir: str | Path, num_shards: int) -> dict[str, Any]:
     """Concatenate shard-0..n-1 into out_dir/{train,validation}.npz and out_dir/features/<split> (the feature
-    shard files are moved, not copied)."""
+    shard files are hard-linked: the shards stay complete)."""
     out = Path(out_dir)
     shard_dirs = [out / f"shard-{k}" for k in range(num_shards)]
     result: dict[str, Any] = dict(join_shard_splits(out, shard_dirs, require_features=True))

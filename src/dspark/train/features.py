@@ -338,9 +338,19 @@ class FeatureCache:
         return Features(taps=taps, hidden=hidden)
 
 
+def link_or_copy(src: Path, dst: Path) -> None:
+    """dst as a hard link to src (no bytes copied; src stays valid), or a copy across filesystems."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 def merge_feature_dirs(sources: Sequence[Path], dest: Path, dataset: DraftDataset) -> None:
-    """Join feature caches of consecutive dataset shards into ``dest`` for their concatenation ``dataset`` (the
-    shard files are moved, not copied; dest is replaced only once the merged cache is complete)."""
+    """Join feature caches of consecutive dataset shards into ``dest`` for their concatenation ``dataset``. The
+    shard files are hard-linked (a copy where the filesystem cannot link): no extra disk, and every shard stays a
+    complete cache, so shards can be merged again (with more shards added later). dest is replaced only once the
+    merged cache is complete."""
     tmp = dest.with_name(f".{dest.name}.merge")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -352,7 +362,7 @@ def merge_feature_dirs(sources: Sequence[Path], dest: Path, dataset: DraftDatase
         index.append(idx)
         for name in m["shards"]:
             for kind in ("taps", "hidden"):
-                shutil.move(src / f"{kind}-{name}.bin", tmp / f"{kind}-{k}-{name}.bin")
+                link_or_copy(src / f"{kind}-{name}.bin", tmp / f"{kind}-{k}-{name}.bin")
             shards.append(f"{k}-{name}")
     np.save(tmp / INDEX, np.concatenate(index))
     manifest = manifests[0] | {
@@ -370,7 +380,7 @@ def merge_feature_dirs(sources: Sequence[Path], dest: Path, dataset: DraftDatase
 def merge_draft_data(out_dir: str | Path, num_shards: int) -> dict[str, Any]:
     """Join ``out_dir/shard-0..N-1`` (each a `dspark draft-data --out-dir` of its own, e.g. runs on several cores
     with different seeds) into out_dir/{train,validation}.npz and one manifest; when every shard of a split has
-    its `prepare-features` cache (shard-K/features/<split>), the caches are merged too (files moved). A missing
+    its `prepare-features` cache (shard-K/features/<split>), the caches are merged too (files linked). A missing
     shard is an error: a half-merged dataset would silently train on less data than asked."""
     out = Path(out_dir)
     shards = [out / f"shard-{k}" for k in range(num_shards)]
