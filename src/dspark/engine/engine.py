@@ -268,8 +268,9 @@ class Engine:
         t0 = time.perf_counter()
         with scope("step.metadata"):
             sampling = self.runner.sampling_tensors(decodes, self.K + 1)
-        guarded = self.guard is not None and self._may_draft(len(decodes))  # the guard decides this step
-        drafting = self.guard.drafting(len(decodes)) if guarded else self._may_draft(len(decodes))
+        allowed = self._may_draft(len(decodes))
+        guarded = allowed and self.guard is not None  # the guard decides this step
+        drafting = self.guard.drafting(len(decodes)) if guarded else allowed
         proposal = self._propose(decodes, sampling) if drafting else None  # drafter block, n-gram lookup, or none
         t1 = time.perf_counter()
         lengths = self._verify_lengths(decodes, proposal)  # fixed K or Algorithm 1

@@ -117,6 +117,21 @@ def blocks_of(fused: torch.Tensor | None, parts: tuple[torch.Tensor, ...]) -> bo
     return True
 
 
+def linked_rows(
+    fused: tuple[torch.Tensor, torch.Tensor | None] | None, parts: tuple[nn.Linear, ...]
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``fused`` (the (weight, bias) of ``fuse_rows``) while every part's weight and bias are still its row blocks;
+    None once a part was re-assigned or converted (the module then runs its parts apart)."""
+    if fused is None:
+        return None
+    w, b = fused
+    if not blocks_of(w, tuple(p.weight for p in parts)):
+        return None
+    if b is not None and not blocks_of(b, tuple(p.bias for p in parts)):
+        return None
+    return fused
+
+
 def fuse_rows(linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Store the weights (and biases) of linears sharing an input as row blocks of one tensor, re-pointing each
     parameter as a view of its block (names, values and requires_grad unchanged): one GEMM then computes all."""

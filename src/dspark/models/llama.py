@@ -20,10 +20,10 @@ from dspark.models.layers import (
     RMSNorm,
     SwiGLU,
     attention_bias,
-    blocks_of,
     causal_mask,
     fuse_rows,
     grouped_sdpa,
+    linked_rows,
     no_empty_rows,
     same_dtype,
 )
@@ -60,15 +60,7 @@ class GQAttention(nn.Module, Packable):
             self.__dict__["_qkv"] = fuse_rows((self.q_proj, self.k_proj, self.v_proj))
 
     def _linked_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        fused = self.__dict__.get("_qkv")
-        if fused is None:
-            return None
-        (w, b), parts = fused, (self.q_proj, self.k_proj, self.v_proj)
-        if not blocks_of(w, tuple(p.weight for p in parts)):
-            return None
-        if b is not None and not blocks_of(b, tuple(p.bias for p in parts)):
-            return None
-        return fused
+        return linked_rows(self.__dict__.get("_qkv"), (self.q_proj, self.k_proj, self.v_proj))
 
     def pack(self) -> None:
         fused = self._linked_qkv()

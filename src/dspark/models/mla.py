@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.config import MLAConfig
-from dspark.models.layers import RMSNorm, attention_bias, blocks_of, fuse_rows, grouped_sdpa, same_dtype
+from dspark.models.layers import RMSNorm, attention_bias, fuse_rows, grouped_sdpa, linked_rows, same_dtype
 from dspark.models.packing import Linear, Packable, PackedWeight, packed_linear, version_of
 from dspark.models.rope import apply_rope
 from dspark.profiling import scope
@@ -73,15 +73,7 @@ class MLAttention(nn.Module, Packable):
             self.__dict__["_xproj"] = fuse_rows(parts)
 
     def _linked_xproj(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        fused = self.__dict__.get("_xproj")
-        if fused is None:
-            return None
-        (w, b), parts = fused, self._x_projections()
-        if not blocks_of(w, tuple(p.weight for p in parts)):
-            return None
-        if b is not None and not blocks_of(b, tuple(p.bias for p in parts)):
-            return None
-        return fused
+        return linked_rows(self.__dict__.get("_xproj"), self._x_projections())
 
     def pack(self) -> None:
         fused = self._linked_xproj()
