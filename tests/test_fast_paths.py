@@ -261,3 +261,27 @@ def test_fused_kda_inputs_and_the_hybrid_engine_packs_them() -> None:
                 torch.testing.assert_close(moe(x).float(), ref, rtol=0, atol=0.02 * float(ref.abs().max()))
         out = LLM.from_engine(eng).generate([[3, 7, 11, 2]], SamplingParams(temperature=0.0, max_tokens=6))
         assert len(out[0].token_ids) == 6
+
+
+def test_remembered_link_checks_follow_reassigned_and_converted_weights() -> None:
+    """Fused paths remember their positive link check; a re-assigned or converted part must still end the link."""
+    target, _ = build_tiny_pair(7)
+    target = target.bfloat16()
+    target.fuse_for_inference()
+    moe = next(layer.mlp for layer in target.model.layers if isinstance(layer.mlp, MoE))
+    attn = target.model.layers[0].self_attn
+    with torch.no_grad():
+        assert moe.stacked_experts() is not None and attn._linked_xproj() is not None  # remembered
+        assert moe.stacked_experts() is not None and attn._linked_xproj() is not None  # from memory
+        moe.experts[0].gate_proj.weight.mul_(2.0)  # in place: still the stack's storage
+        assert moe.stacked_experts() is not None
+        down = moe.experts[-1].down_proj
+        down.weight = torch.nn.Parameter(down.weight.clone())  # re-assigned: the stack no longer holds it
+        assert moe.stacked_experts() is None
+        moe.fuse()  # re-stacked over the new weight
+        assert moe.stacked_experts() is not None
+        attn.kv_a_proj_with_mqa.float()  # converted: .data swapped to a new fp32 tensor
+        assert attn._linked_xproj() is None
+        attn.kv_a_proj_with_mqa.bfloat16()
+        attn.fuse()
+        assert attn._linked_xproj() is not None

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.config import KDAConfig
-from dspark.models.layers import blocks_of, fuse_rows
+from dspark.models.layers import blocks_of, fuse_rows, remembered_link, weights_of
 from dspark.models.packing import Linear, Packable, PackedWeight, packed_linear, version_of
 
 
@@ -214,8 +214,14 @@ class KimiDeltaAttention(nn.Module, Packable):
             self.__dict__["_fused_inputs"] = fuse_rows(self._inputs())[0]
 
     def _linked_inputs(self) -> torch.Tensor | None:
+        parts = self._inputs()
         w = self.__dict__.get("_fused_inputs")
-        return w if blocks_of(w, tuple(lin.weight for lin in self._inputs())) else None
+        return remembered_link(
+            self,
+            "_inputs_memo",
+            lambda: w if blocks_of(w, tuple(lin.weight for lin in parts)) else None,
+            lambda: weights_of(parts),
+        )
 
     def pack(self) -> None:
         w = self._linked_inputs()

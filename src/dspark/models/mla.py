@@ -18,7 +18,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.config import MLAConfig
-from dspark.models.layers import RMSNorm, attention_bias, fuse_rows, grouped_sdpa, linked_rows, same_dtype
+from dspark.models.layers import (
+    RMSNorm,
+    attention_bias,
+    fuse_rows,
+    grouped_sdpa,
+    linked_rows,
+    remembered_link,
+    same_dtype,
+    weights_of,
+)
 from dspark.models.packing import Linear, Packable, PackedWeight, packed_linear, version_of
 from dspark.models.rope import apply_rope
 from dspark.profiling import scope
@@ -73,7 +82,10 @@ class MLAttention(nn.Module, Packable):
             self.__dict__["_xproj"] = fuse_rows(parts)
 
     def _linked_xproj(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        return linked_rows(self.__dict__.get("_xproj"), self._x_projections())
+        parts = self._x_projections()
+        return remembered_link(
+            self, "_xproj_memo", lambda: linked_rows(self.__dict__.get("_xproj"), parts), lambda: weights_of(parts)
+        )
 
     def pack(self) -> None:
         fused = self._linked_xproj()

@@ -15,7 +15,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from dspark.config import TargetConfig
-from dspark.models.layers import DecoderTarget, RMSNorm, SwiGLU, attention_bias, causal_mask, no_empty_rows
+from dspark.models.layers import (
+    DecoderTarget,
+    RMSNorm,
+    SwiGLU,
+    attention_bias,
+    causal_mask,
+    no_empty_rows,
+    remembered_link,
+    weights_of,
+)
 from dspark.models.mla import LatentStore, MLAttention
 from dspark.models.packing import Packable, version_of
 from dspark.models.protocol import PageFormat, StateSpec, TargetOutput, head_output
@@ -160,6 +169,14 @@ class MoE(nn.Module, Packable):
         return self._expert_views
 
     def _linked_stack(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return remembered_link(
+            self,
+            "_stack_memo",
+            self._check_stack,
+            lambda: weights_of(m for e in self.experts for m in (e.gate_proj, e.up_proj, e.down_proj)),
+        )
+
+    def _check_stack(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         stacked = self.__dict__.get("_stacked")
         if stacked is None:
             return None
