@@ -181,6 +181,16 @@ def linked_rows(
     return fused
 
 
+def remembered_rows(
+    owner: nn.Module, slot: str, parts: tuple[nn.Linear, ...]
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``linked_rows`` of the fused (weight, bias) that ``fuse_rows`` left in ``owner.__dict__[slot]``, remembered
+    (``remembered_link``) until one of the parts' parameters changes."""
+    return remembered_link(
+        owner, slot + "_memo", lambda: linked_rows(owner.__dict__.get(slot), parts), lambda: weights_of(parts)
+    )
+
+
 def fuse_rows(linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Store the weights (and biases) of linears sharing an input as row blocks of one tensor, re-pointing each
     parameter as a view of its block (names, values and requires_grad unchanged): one GEMM then computes all."""

@@ -23,11 +23,9 @@ from dspark.models.layers import (
     causal_mask,
     fuse_rows,
     grouped_sdpa,
-    linked_rows,
     no_empty_rows,
-    remembered_link,
+    remembered_rows,
     same_dtype,
-    weights_of,
 )
 from dspark.models.packing import Linear, Packable, PackedWeight, packed_linear
 from dspark.models.protocol import CacheView, PageFormat, StateSpec, TargetOutput, head_output
@@ -62,10 +60,7 @@ class GQAttention(nn.Module, Packable):
             self.__dict__["_qkv"] = fuse_rows((self.q_proj, self.k_proj, self.v_proj))
 
     def _linked_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        parts = (self.q_proj, self.k_proj, self.v_proj)
-        return remembered_link(
-            self, "_qkv_memo", lambda: linked_rows(self.__dict__.get("_qkv"), parts), lambda: weights_of(parts)
-        )
+        return remembered_rows(self, "_qkv", (self.q_proj, self.k_proj, self.v_proj))
 
     def pack(self) -> None:
         fused = self._linked_qkv()

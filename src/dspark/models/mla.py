@@ -23,10 +23,8 @@ from dspark.models.layers import (
     attention_bias,
     fuse_rows,
     grouped_sdpa,
-    linked_rows,
-    remembered_link,
+    remembered_rows,
     same_dtype,
-    weights_of,
 )
 from dspark.models.packing import Linear, Packable, PackedWeight, packed_linear, version_of
 from dspark.models.rope import apply_rope
@@ -82,10 +80,7 @@ class MLAttention(nn.Module, Packable):
             self.__dict__["_xproj"] = fuse_rows(parts)
 
     def _linked_xproj(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        parts = self._x_projections()
-        return remembered_link(
-            self, "_xproj_memo", lambda: linked_rows(self.__dict__.get("_xproj"), parts), lambda: weights_of(parts)
-        )
+        return remembered_rows(self, "_xproj", self._x_projections())
 
     def pack(self) -> None:
         fused = self._linked_xproj()
