@@ -8,7 +8,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dspark import profiling, threads
-from dspark.bench.breakdown import exclusive_scope_times
+from dspark.bench.breakdown import exclusive_scope_times, kernel_times
 from dspark.cli import main
 from dspark.config import EngineConfig, SpeculativeConfig
 from dspark.engine.engine import Engine
@@ -47,6 +47,20 @@ def test_exclusive_times_nest_generic_scopes_under_their_phase():
         assert abs(parts - inclusive["dspark::" + phase]) < 1e-6 * inclusive["dspark::" + phase]
 
 
+def test_kernel_times_split_products_and_attention_from_the_rest():
+    x, w = torch.randn(1, 64), torch.randn(256, 64)
+    q = torch.randn(1, 2, 1, 16)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(10):
+            torch.nn.functional.linear(x, w)
+            torch.nn.functional.scaled_dot_product_attention(q, q, q)
+            x = x + 1
+    times = kernel_times(prof.events())
+    assert times["gemm"] > 0 and times["attention"] > 0
+    total = sum(e.self_cpu_time_total for e in prof.events())
+    assert times["gemm"] + times["attention"] < total  # the adds and the callers' dispatch are neither
+
+
 def test_breakdown_cli_reports_every_phase(tmp_path, capsys):
     target_dir, draft_dir = write_tiny_pair(tmp_path / "pair", 0)
     argv = ["profile", "--breakdown", "--model", str(target_dir), "--draft", str(draft_dir), "--steps", "2"]
@@ -62,6 +76,8 @@ def test_breakdown_cli_reports_every_phase(tmp_path, capsys):
         "step.accept",
         "wall step, unprofiled",
         "CPU ms per token",
+        "matrix-product kernels (all scopes)",
+        "everything else",
     ):
         assert f"| {row}" in out or f"| **{row}" in out, row
 

@@ -6,6 +6,10 @@ library's named scopes on (``dspark.profiling``). A scope's time is exclusive: t
 it is reported on their own rows. Generic scopes (``attn.core``, ``cache``, ``mlp``, ...) are reported under their
 nearest phase scope (``target.forward``, ``draft.backbone``), so the drafter's attention is not the target's.
 The profiler's own per-op cost inflates the profiled total; the shares, not the absolute figures, are the result.
+
+Across scopes the table also splits the step by kernel kind (``kernel_times``): matrix products (GEMM/GEMV, the
+weight-streaming floor at decode), attention kernels, and everything else (the small ops and their dispatch, which
+is what fused native kernels would remove).
 """
 
 from __future__ import annotations
@@ -27,6 +31,11 @@ from dspark.sampling_params import SamplingParams
 
 PREFIX = "dspark::"
 PHASES = ("step.", "target.", "draft.")
+# the ops whose own time is matrix-product arithmetic (their callers, aten::linear / aten::matmul, only dispatch)
+GEMM_OPS = frozenset(
+    ("mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm", "aten::baddbmm", "aten::addmv", "aten::mv")
+)
+ATTENTION_PREFIX = "aten::_scaled_dot_product"  # the flash / math kernels under scaled_dot_product_attention
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,7 @@ class Breakdown:
     profiled_ms: float  # mean profiled step
     scopes: dict[str, float]  # label -> exclusive ms per step
     ops: dict[str, float]  # label -> torch ops per step
+    kernels: dict[str, float]  # "gemm" / "attention" -> self ms per step over all scopes (``kernel_times``)
 
 
 def _label(name: str, ancestors: list[str]) -> str:
@@ -103,6 +113,17 @@ def scope_op_counts(events) -> dict[str, int]:
     return dict(counts)
 
 
+def kernel_times(events) -> dict[str, float]:
+    """Self time (µs) of the matrix-product ops (``GEMM_OPS``) and of the attention kernels, over every scope."""
+    out = {"gemm": 0.0, "attention": 0.0}
+    for ev in events:
+        if ev.name in GEMM_OPS:
+            out["gemm"] += ev.self_cpu_time_total
+        elif ev.name.startswith(ATTENTION_PREFIX):
+            out["attention"] += ev.self_cpu_time_total
+    return out
+
+
 def _start(engine: Engine, prompts: Sequence[Sequence[int]], cfg: BreakdownConfig) -> list[str]:
     """Admit `concurrency` requests and step until every one of them is decoding."""
     budget = (cfg.steps * 2 + cfg.warmup + 2) * (engine.K + 1) + 8
@@ -136,6 +157,7 @@ def breakdown(name: str, engine: Engine, prompts: Sequence[Sequence[int]], cfg: 
     events = prof.events()
     scopes = {k: v / 1e3 / cfg.steps for k, v in exclusive_scope_times(events).items()}
     ops = {k: v / cfg.steps for k, v in scope_op_counts(events).items()}
+    kernels = {k: v / 1e3 / cfg.steps for k, v in kernel_times(events).items()}
     return Breakdown(
         name,
         statistics.median(walls) * 1e3,
@@ -145,6 +167,7 @@ def breakdown(name: str, engine: Engine, prompts: Sequence[Sequence[int]], cfg: 
         sum(scopes.values()),
         scopes,
         ops,
+        kernels,
     )
 
 
@@ -180,8 +203,14 @@ def format_breakdowns(results: Sequence[Breakdown]) -> str:
             v, n = r.scopes.get(label, 0.0), r.ops.get(label, 0.0)
             cells.append(f"{v:.3f} | {100 * v / r.profiled_ms:.1f} | {n:.0f}" if r.profiled_ms > 0 else "– | – | –")
         lines.append(f"| {shown} | " + " | ".join(cells) + " |")
+    def share(r: Breakdown, ms: float) -> str:
+        return f"{ms:.2f} | {100 * ms / r.profiled_ms:.1f} | " if r.profiled_ms > 0 else "– | – | "
+
     summary = (
         ("profiled step", lambda r: f"{r.profiled_ms:.2f} | 100 | {sum(r.ops.values()):.0f}"),
+        ("matrix-product kernels (all scopes)", lambda r: share(r, r.kernels["gemm"])),
+        ("attention kernels (all scopes)", lambda r: share(r, r.kernels["attention"])),
+        ("everything else", lambda r: share(r, r.profiled_ms - r.kernels["gemm"] - r.kernels["attention"])),
         ("wall step, unprofiled (median)", lambda r: f"{r.wall_ms:.2f} | | "),
         ("wall step, min–max", lambda r: f"{r.wall_spread_ms[0]:.1f}–{r.wall_spread_ms[1]:.1f} | | "),
         ("CPU step, unprofiled (median)", lambda r: f"{r.cpu_ms:.2f} | | "),
