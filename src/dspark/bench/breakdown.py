@@ -203,6 +203,7 @@ def format_breakdowns(results: Sequence[Breakdown]) -> str:
             v, n = r.scopes.get(label, 0.0), r.ops.get(label, 0.0)
             cells.append(f"{v:.3f} | {100 * v / r.profiled_ms:.1f} | {n:.0f}" if r.profiled_ms > 0 else "– | – | –")
         lines.append(f"| {shown} | " + " | ".join(cells) + " |")
+
     def share(r: Breakdown, ms: float) -> str:
         return f"{ms:.2f} | {100 * ms / r.profiled_ms:.1f} | " if r.profiled_ms > 0 else "– | – | "
 
