@@ -42,14 +42,10 @@ def weights_of(target: nn.Module) -> list[torch.Tensor]:
     return out
 
 
-def best_seconds(fn, repeats: int) -> float:
-    fn()  # first call off the clock (oneDNN kernel creation, inductor compile)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+def seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def main() -> int:
@@ -89,9 +85,11 @@ def main() -> int:
     variants["stream_read"] = lambda: stream.sum()
     best = {name: float("inf") for name in variants}
     with torch.inference_mode():
+        for fn in variants.values():  # first calls off the clock (oneDNN kernel creation, inductor compile)
+            fn()
         for _ in range(args.repeats):  # alternated passes: a busy minute hits every variant alike
             for name, fn in variants.items():
-                best[name] = min(best[name], best_seconds(fn, 1))
+                best[name] = min(best[name], seconds(fn))
     report = {
         "model": args.model,
         "threads": args.num_threads,
