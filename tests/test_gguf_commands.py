@@ -51,7 +51,7 @@ def gguf_pair(tmp_path_factory):
 def test_generate_on_a_gguf_matches_transformers_on_its_export(gguf_pair, capsys):
     path, draft, _ = gguf_pair
     spec = json.dumps({"method": "dspark", "model": str(draft), "num_speculative_tokens": 3})
-    argv = ["generate", "the other", "--model", str(path), "--speculative-config", spec]
+    argv = ["generate", "the other", "--model", str(path), "--speculative-config", spec, "--no-chat-template"]
     assert main([*argv, "--max-tokens", "12", "--temperature", "0", "--dtype", "float32", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     export = resolve_model_ref(path)

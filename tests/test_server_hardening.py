@@ -139,7 +139,7 @@ def test_lone_surrogates_get_400_naming_the_field(server, path, raw, param):
         ({"prompt": "x", "max_tokens": True}, "max_tokens"),
         ({"prompt": "x", "stream": "yes"}, "stream"),
         ({"prompt": "x", "temperature": "0.5"}, "temperature"),
-        ({"prompt": "x", "seed": 1.0}, "seed"),
+        ({"prompt": "x", "seed": 1.5}, "seed"),
         ({"prompt": "x", "ignore_eos": 1}, "ignore_eos"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": ["a", ""]}, "prompt"),

@@ -82,8 +82,8 @@ def test_breakdown_cli_reports_every_phase(tmp_path, capsys):
         assert f"| {row}" in out or f"| **{row}" in out, row
 
 
-def test_thread_choice_is_measured_then_cached(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+def test_thread_choice_is_measured_then_cached(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "dspark"))
     monkeypatch.delenv(threads.ENV, raising=False)
     monkeypatch.setattr(threads, "usable_cores", lambda: 4)
     calls = []
@@ -98,10 +98,13 @@ def test_thread_choice_is_measured_then_cached(tmp_path, monkeypatch):
     try:
         assert threads.choose_threads("model-a", workload) == 1 and torch.get_num_threads() == 1
         assert set(calls) == {1, 2, 4}
+        said = capsys.readouterr().err  # one line saying what it does and how to skip it
+        assert said.count("\n") == 1 and "--threads N" in said and threads.ENV in said
         cached = json.loads((tmp_path / "dspark" / "threads.json").read_text())
         assert [v["threads"] for v in cached.values()] == [1]
         calls.clear()
         assert threads.choose_threads("model-a", workload) == 1 and calls == []  # cached: no new calibration
+        assert capsys.readouterr().err == ""
         monkeypatch.setenv(threads.ENV, "3")
         assert threads.choose_threads("model-a", workload) == 3 and calls == []
         assert "intra-op 3 ($DSPARK_NUM_THREADS)" in threads.describe_threads()

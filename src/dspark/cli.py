@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dspark.cli_common import default_spec, model_or_demo
+from dspark.cli_common import add_threads_arg, apply_threads, default_spec, json_object, model_or_demo
 from dspark.config import DTYPES, ConfigError
 
 if TYPE_CHECKING:
@@ -40,7 +40,11 @@ def cmd_roster(args: argparse.Namespace) -> int:
 
 def add_roster(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("roster", help="expected tensor names, shapes and parameter count (meta device)")
-    p.add_argument("config", help="config.json of a target (deepseek_v3) or a drafter (k3_dspark), its dir or hub id")
+    p.add_argument(
+        "config",
+        help="config.json of a target or a drafter, its dir, a bundled name (kimi-k3-mini, kimi-k3-mini-dspark, ...) "
+        "or a hub id",
+    )
     p.add_argument("--json", action="store_true", help='print {"tensors": {name: [dims]}, "num_params": int}')
     p.set_defaults(func=cmd_roster)
 
@@ -50,16 +54,40 @@ def add_roster(sub: argparse._SubParsersAction) -> None:
 
 def _resolve_for_check(ref: str | None, role: str, problems: list[CheckProblem]) -> Path | None:
     """A model reference's path; an unresolvable one becomes a problem of the report (so --json stays JSON)."""
-    from dspark.checkpoint.resolve import ModelNotFoundError, resolve_model_ref
+    from dspark.checkpoint.resolve import resolve_model_ref
     from dspark.doctor import CheckProblem
 
     if ref is None:
         return None
     try:
         return resolve_model_ref(ref, role=role)
-    except ModelNotFoundError as e:
-        problems.append(CheckProblem("model-reference", str(e), "fetch it with one of the commands above"))
+    except ConfigError as e:  # nothing at that reference (ModelNotFoundError), or an alias whose package is absent
+        fix = getattr(e, "fix", "") or "install what the message names, or pass a model directory"
+        problems.append(CheckProblem("model-reference", str(e), fix))
         return None
+
+
+def _bundled_target(draft: Path | None) -> Path | None:
+    """A bundled drafter's own target (so the pairing checks run without --target); None for any other draft, or
+    when that target is not installed here (then only the draft's own checks run, saying why)."""
+    from dspark.checkpoint.resolve import bundled_model_at, resolve_model_ref
+
+    entry = bundled_model_at(draft) if draft is not None else None
+    if entry is None or not entry.is_drafter:
+        return None
+    try:
+        target = resolve_model_ref(entry.target, role=f"{entry.name}'s target")
+    except ConfigError as e:
+        print(
+            f"{entry.name} is a bundled drafter; its target is not available, so only its own checks run: {e}",
+            file=sys.stderr,
+        )
+        return None
+    print(
+        f"{entry.name} is a bundled drafter: checking it with its target {entry.target} (--target overrides)",
+        file=sys.stderr,
+    )
+    return target
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -67,7 +95,10 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     problems: list[CheckProblem] = []
     draft = _resolve_for_check(args.draft_dir, "check DRAFT", problems)
-    target = _resolve_for_check(args.target, "check --target", problems)
+    if args.target is not None:
+        target = _resolve_for_check(args.target, "check --target", problems)
+    else:
+        target = _bundled_target(draft)
     report = CheckReport(tuple(problems), (), ()) if problems else run_checks(draft, target)
     if args.json:
         print(json.dumps(report_json(report)))
@@ -83,9 +114,24 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def add_check(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("check", help="deployment doctor: check a draft (and its target) before serving")
-    p.add_argument("draft_dir", metavar="DRAFT", help="draft model dir or hub id org/name[@rev] (local caches)")
-    p.add_argument("--target", metavar="MODEL", default=None, help="target dir or hub id (enables pairing checks)")
+    p = sub.add_parser(
+        "check",
+        help="deployment doctor: check a draft (and its target) before serving",
+        description="Prints each check (✔ passed, ✖ problem with its fix, – skipped and why) in the six deployment "
+        "steps; exits 1 when any check found a problem (or a model reference names nothing), else 0.",
+    )
+    p.add_argument(
+        "draft_dir",
+        metavar="DRAFT",
+        help="draft model dir, bundled drafter name (e.g. kimi-k3-mini-dspark) or hub id org/name[@rev] (local caches)",
+    )
+    p.add_argument(
+        "--target",
+        metavar="MODEL",
+        default=None,
+        help="target dir, bundled/alias name or hub id (enables pairing checks; a bundled drafter's own target by "
+        "default)",
+    )
     p.add_argument("--json", action="store_true", help='print {"ok": bool, "problems": [{"check", "message", "fix"}]}')
     p.set_defaults(func=cmd_check)
 
@@ -106,6 +152,8 @@ def cmd_train_target(args: argparse.Namespace) -> int:
     default = kimi_k3_mini_config() if args.kimi_k3_mini else PretrainConfig()
     data_dir, out_dir = args.data_dir or default.data_dir, args.out_dir or default.out_dir
     if args.tiny:
+        data_dir = args.data_dir or _tiny_data(TINY_DATA_DIR)
+        out_dir = args.out_dir or ("runs/tiny-kimi-target" if args.kimi_k3_mini else "runs/tiny-target")
         arch = {"architecture": default.architecture} if args.kimi_k3_mini else {}
         cfg = tiny_pretrain_config(data_dir, out_dir, **arch)
     else:
@@ -132,6 +180,19 @@ def cmd_train_target(args: argparse.Namespace) -> int:
     return 0
 
 
+TINY_DATA_DIR = "runs/data/tiny"  # what `train-target --tiny` trains on unless --data-dir is given
+
+
+def _tiny_data(data_dir: str) -> str:
+    """The tiny run's data dir, built on first use (a sub-second stdlib sample and a 512-token BPE)."""
+    from dspark.train.tokenizer import build_tiny_data
+
+    if not (Path(data_dir) / "train.npy").is_file():
+        print(f"train-target --tiny: building a small corpus and tokenizer in {data_dir} (once)", file=sys.stderr)
+        build_tiny_data(data_dir)
+    return data_dir
+
+
 def add_train_target(sub: argparse._SubParsersAction) -> None:
     # defaults live in dspark.train.pretrain.PretrainConfig (not imported here: it pulls in torch)
     p = sub.add_parser(
@@ -141,8 +202,16 @@ def add_train_target(sub: argparse._SubParsersAction) -> None:
         "(config.json, model.safetensors, tokenizer, training_log.json). Unset options take the "
         "defaults of dspark.train.pretrain.PretrainConfig (or tiny_pretrain_config with --tiny).",
     )
-    p.add_argument("--data-dir", help="train/validation .npy + tokenizer.json (default runs/data/bpe8k)")
-    p.add_argument("--out-dir", help="checkpoint and export directory (default runs/target)")
+    p.add_argument(
+        "--data-dir",
+        help="train/validation .npy + tokenizer.json (default runs/data/bpe8k; with --tiny runs/data/tiny, built "
+        "on first use)",
+    )
+    p.add_argument(
+        "--out-dir",
+        help="checkpoint and export directory (default runs/target, runs/kimi-target with --kimi-k3-mini; "
+        "runs/tiny-target / runs/tiny-kimi-target with --tiny)",
+    )
     p.add_argument("--max-minutes", type=float, help="wall-clock budget across resumes (default 55)")
     p.add_argument("--no-time-limit", action="store_true", help="no wall-clock budget (needs --max-steps)")
     p.add_argument("--max-steps", type=int, help="cosine horizon (default: derived from --max-minutes)")
@@ -153,7 +222,7 @@ def add_train_target(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-interval", type=int, help="steps between validation passes (default 250)")
     p.add_argument("--ckpt-interval", type=int, help="steps between checkpoints (default 250)")
     p.add_argument("--seed", type=int, help="init and data-order seed (default 0)")
-    p.add_argument("--num-threads", type=int, help="torch threads (default min(2, cpus))")
+    p.add_argument("--num-threads", "--threads", type=int, help="torch threads (default min(2, cpus))")
     p.add_argument("--resume", action="store_true", help="continue exactly from OUT_DIR/checkpoint/last.pt")
     p.add_argument(
         "--init-from",
@@ -164,7 +233,11 @@ def add_train_target(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--original-max-position-embeddings", type=int, help="YaRN's original window (default: --seq-len)")
     p.add_argument("--eval-seq-len", type=int, help="validation window (default: --seq-len)")
     p.add_argument("--eval-max-windows", type=int, help="validation windows at most (default: all)")
-    p.add_argument("--tiny", action="store_true", help="a seconds-long smoke run with a tiny model")
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a seconds-long smoke run with a tiny model; needs no prepared data (builds runs/data/tiny itself)",
+    )
     p.add_argument(
         "--kimi-k3-mini",
         action="store_true",
@@ -191,7 +264,7 @@ def _sampling(args: argparse.Namespace, max_tokens: int):
     )
 
 
-def _timed_generate(engine, prompt: str, params) -> tuple[object, float]:
+def _timed_generate(engine, prompt: str | list[int], params) -> tuple[object, float]:
     import time
 
     from dspark.llm import LLM
@@ -213,10 +286,49 @@ def _replace_max_tokens(params, n: int):
     return replace(params, max_tokens=n)
 
 
+def pretrained_base_model(model_dir: Path | None) -> bool:
+    """A target exported by ``dspark train-target`` (its training_log.json has the pretraining config): trained on
+    raw text only. Its tokenizer carries the pipeline's chat template (for the server's chat route) all the same."""
+    log = model_dir / "training_log.json" if model_dir is not None else None
+    if log is None or not log.is_file():
+        return False
+    try:
+        return "pretrain_config" in json.loads(log.read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def prompt_format(engine, chat: bool | None) -> tuple[bool, str]:
+    """Whether ``generate`` renders its prompt with the target's chat template, and why (for stderr and --json).
+    ``chat``: --chat (True), --no-chat-template / --raw (False) or unset (None: the template when the tokenizer has
+    one, unless the target is a base model pretrained on raw text by ``dspark train-target``, as the bundled
+    kimi-k3-mini and k3-mini are)."""
+    has = bool(getattr(engine.tokenizer, "has_chat_template", False))
+    if chat is not None:
+        if chat and not has:
+            raise ConfigError(
+                f"--chat: the tokenizer of {engine.model_dir} has no chat template (tokenizer_config.json "
+                "'chat_template' or chat_template.jinja); drop --chat to send the prompt as raw text"
+            )
+        return chat, "--chat" if chat else "--no-chat-template"
+    if not has:
+        return False, "the model's tokenizer has no chat template"
+    if pretrained_base_model(engine.model_dir):
+        name = engine.model_ref or engine.model_dir.name
+        return False, f"{name} is a base model pretrained on raw text; --chat applies its chat template"
+    return True, "the model's chat template; --no-chat-template sends the raw text"
+
+
+def _prompt(engine, text: str, chat: bool) -> str | list[int]:
+    """The prompt as the engine takes it: raw text, or the ids of one user turn through the chat template."""
+    return list(engine.tokenizer.encode_chat([{"role": "user", "content": text}])) if chat else text
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from dspark.llm import build_engines
 
     params = _sampling(args, args.max_tokens)  # refuse bad sampling values before loading anything
+    apply_threads(args)
     model, demo = model_or_demo(args.model)
     spec = default_spec(args, model if demo else None)
     compare = (args.compare or args.json) and spec is not None
@@ -224,11 +336,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engines = build_engines(
         model, configs, dtype=args.dtype, seed=args.seed or 0, attention_backend=args.attention_backend
     )
-    out, wall = _timed_generate(engines[0], args.prompt, params)
+    chat, why = prompt_format(engines[0], args.chat)
+    prompt = _prompt(engines[0], args.prompt, chat)
+    out, wall = _timed_generate(engines[0], prompt, params)
     tps = len(out.token_ids) / wall if wall > 0 else 0.0
     speedup = None
     if compare:
-        ar, ar_wall = _timed_generate(engines[1], args.prompt, params)
+        ar, ar_wall = _timed_generate(engines[1], prompt, params)
         speedup = tps / (len(ar.token_ids) / ar_wall) if ar_wall > 0 and ar.token_ids else None
     tau = out.spec_metrics.get("acceptance_length")
     if args.json:
@@ -238,6 +352,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     "text": out.text,
                     "token_ids": out.token_ids,
                     "num_output_tokens": len(out.token_ids),
+                    "chat_template": chat,
+                    "prompt_format": why,
                     "acceptance_length": tau,
                     "tokens_per_s": tps,
                     "speedup_vs_ar": speedup,
@@ -245,9 +361,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    print(args.prompt + out.text)
+    print(out.text if chat else args.prompt + out.text)
     print("---", file=sys.stderr)
-    method = json.loads(spec)["method"] if spec else "none (autoregressive)"
+    print(f"prompt: {'chat template' if chat else 'raw text'} ({why})", file=sys.stderr)
+    spec_cfg = engines[0].spec
+    method = spec_cfg.method if spec_cfg is not None else "none (autoregressive)"
     tau_s = f"{tau:.2f}" if tau is not None else "n/a"
     line = f"speculation: {method}  τ (mean acceptance length): {tau_s}  tokens/s: {tps:.1f}"
     if speedup is not None:
@@ -294,20 +412,33 @@ def cache_report_lines(c: dict) -> list[str]:
     return lines
 
 
+DEFAULT_DTYPE = "bfloat16"  # generate's and verify-lossless's --dtype: one default, so what is verified is what runs
+SPEC_HELP = (
+    'vLLM-style JSON, or @FILE to read it from a file, e.g. \'{"method": "dspark"}\'; "model" takes a drafter dir, '
+    "a bundled drafter name (kimi-k3-mini-dspark, ...) or a hub id"
+)
+
+
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
-    p.add_argument("--model", default=None, help="target dir, .gguf or hub id (default: the bundled kimi-k3-mini pair)")
-    p.add_argument("--speculative-config", default=None, help='vLLM-style JSON or @file, e.g. \'{"method": "dspark"}\'')
+    p.add_argument(
+        "--model",
+        default=None,
+        help="target dir, .gguf, bundled name (kimi-k3-mini, k3-mini), alias (smollm2-135m-instruct) or hub id "
+        "(default: the bundled kimi-k3-mini pair)",
+    )
+    p.add_argument("--speculative-config", type=json_object, default=None, help=SPEC_HELP)
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--temperature", type=float, default=temperature)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPES)
     p.add_argument(
         "--attention-backend",
         default=None,
         help="target attention: torch | sdpa | a vLLM backend name (runs as sdpa here); default: each model's",
     )
+    add_threads_arg(p)
 
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
@@ -315,13 +446,35 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("prompt", nargs="?", default="def fibonacci(n):\n", help="prompt text")
     _add_sampling_args(p, 128, 0.0)
     p.add_argument("--no-spec", action="store_true", help="plain autoregressive decoding")
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument(
+        "--chat",
+        dest="chat",
+        action="store_const",
+        const=True,
+        default=None,
+        help="send the prompt as one user turn through the model's chat template (the default when its tokenizer "
+        "has one, except for base models pretrained by `dspark train-target`, such as the bundled kimi-k3-mini)",
+    )
+    chat.add_argument(
+        "--no-chat-template",
+        "--raw",
+        dest="chat",
+        action="store_const",
+        const=False,
+        help="send the prompt as raw text (no chat template)",
+    )
     p.add_argument(
         "--compare",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="also run without speculation and print the speed-up (default on; --no-compare skips the second run)",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, τ, tokens/s, ...)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (text, token_ids, chat_template: whether the template was applied, τ, tokens/s)",
+    )
     p.set_defaults(func=cmd_generate)
 
 
@@ -329,15 +482,22 @@ def cmd_verify_lossless(args: argparse.Namespace) -> int:
     from dspark.llm import build_engines
 
     depths = parse_depths(args.context_depths)
+    dtype = args.dtype or DEFAULT_DTYPE
+    dtype_note = "" if args.dtype else " (generate's default; --dtype to test another)"
+    apply_threads(args)
     model, demo = model_or_demo(args.model)
     spec = default_spec(args, model if demo else None) or json.dumps({"method": "dspark"})
-    spec_engine, ar_engine = build_engines(
-        model, [spec, None], dtype=args.dtype, attention_backend=args.attention_backend
+    spec_engine, ar_engine = build_engines(model, [spec, None], dtype=dtype, attention_backend=args.attention_backend)
+    print(
+        f"verify-lossless: target {spec_engine.model_dir}, drafter {spec_engine.draft_dir}, "
+        f"dtype {dtype}{dtype_note}, greedy, {args.max_tokens} new tokens per prompt"
     )
     sets = _lossless_prompt_sets(args, spec_engine, depths)
     if not sets:
         raise ValueError("every --context-depths value was skipped; nothing was verified")
     bad = sum(_compare_outputs(label, ids, ar_engine, spec_engine, args.max_tokens) for label, ids in sets)
+    verdict = "identical" if not bad else f"{bad} prompt(s) differ"
+    print(f"verify-lossless ({dtype}): {verdict}")
     return 1 if bad else 0
 
 
@@ -414,14 +574,20 @@ def add_verify_lossless(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--context-source", default=None, help="corpus-format JSONL of code used as padding")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--model", default=None)
-    p.add_argument("--speculative-config", default=None)
-    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--model", default=None, help="target (as generate's --model; default: the bundled pair)")
+    p.add_argument("--speculative-config", type=json_object, default=None, help=SPEC_HELP)
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=DTYPES,
+        help=f"weights and activations to verify in (default {DEFAULT_DTYPE}: what generate and serve run)",
+    )
     p.add_argument(
         "--attention-backend",
         default=None,
         help="target attention: torch | sdpa | a vLLM backend name (runs as sdpa here); default: each model's",
     )
+    add_threads_arg(p)
     p.set_defaults(func=cmd_verify_lossless, no_spec=False)
 
 
@@ -437,10 +603,41 @@ MODULES = {
 }
 
 
+def version_text() -> str:
+    """``dspark --version``: the package, torch and the CPU kernels torch dispatches to on this machine."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    import dspark
+
+    try:
+        ours = version("dspark")
+    except PackageNotFoundError:  # running from a source tree that is not installed
+        ours = dspark.__version__
+    import torch
+
+    cpu = torch.backends.cpu.get_cpu_capability()
+    return f"dspark {ours} (torch {torch.__version__}, CPU capability {cpu}, Python {platform.python_version()})"
+
+
+class _VersionAction(argparse.Action):
+    """Like argparse's "version" action, but the text (which imports torch) is built only when asked for."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(version_text())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     import importlib
 
     parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding for MLA models")
+    parser.add_argument(
+        "--version", action=_VersionAction, help="print the dspark and torch versions and the CPU capability, and exit"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate(sub)
     add_verify_lossless(sub)
@@ -459,6 +656,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"dspark {args.command}: error: {e}", file=sys.stderr)
+        if getattr(e, "fix", ""):  # a ModelNotFoundError says what to do separately
+            print(f"fix: {e.fix}", file=sys.stderr)
         return 1
 
 

@@ -1,5 +1,6 @@
-"""Helpers every ``dspark`` subcommand shares: comma-list argparse types, the model dir (or a tiny demo pair) and
-the default speculative config. A leaf module: subcommand modules import it, never ``dspark.cli`` itself."""
+"""Helpers every ``dspark`` subcommand shares: comma-list and JSON argparse types, the ``--threads`` option, the
+model dir (or a tiny demo pair) and the default speculative config. A leaf module: subcommand modules import it,
+never ``dspark.cli`` itself."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
+
+from dspark.config import ConfigError
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -23,6 +27,61 @@ def float_list(text: str) -> tuple[float, ...]:
         return tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers like 0,0.7,1; got {text!r}") from e
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """argparse type for a JSON-valued option (``--speculative-config``): inline JSON, or ``@path`` to read the
+    JSON from a file (``@-``: standard input). Parsed once here, so everything after sees a dict."""
+    source = "the value"
+    if text.startswith("@"):
+        name = text[1:]
+        source = "standard input" if name == "-" else name
+        try:
+            text = sys.stdin.read() if name == "-" else Path(name).expanduser().read_text()
+        except OSError as e:
+            raise argparse.ArgumentTypeError(f"{text}: cannot read {name} ({e.strerror or e})") from e
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        where = "" if source == "the value" else f" in {source}"
+        raise argparse.ArgumentTypeError(
+            f'not valid JSON{where} ({e}): {text[:200]!r}; give a JSON object like \'{{"method": "dspark"}}\' '
+            "or @file.json"
+        ) from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object {{...}}, got {text[:200]!r}")
+    return value
+
+
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    """``--threads N``: torch's intra-op threads, skipping the per-machine measurement (dspark.threads)."""
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="CPU threads for torch (default: DSPARK_NUM_THREADS, else measured once per machine and model and "
+        "cached under $DSPARK_CACHE)",
+    )
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    """Set the ``--threads`` choice, when given, before any model loads."""
+    if getattr(args, "threads", None) is not None:
+        from dspark.threads import set_threads
+
+        set_threads(args.threads, "--threads")
+
+
+def positive_int(text: str) -> int:
+    """argparse type for a count >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return n
 
 
 def model_or_demo(model: str | None) -> tuple[str | None, bool]:
@@ -46,12 +105,19 @@ def model_or_demo(model: str | None) -> tuple[str | None, bool]:
 
 
 def default_spec(args: argparse.Namespace, demo_dir: str | None) -> str | None:
-    """--speculative-config as given; else DSpark with the bundled, shipped (or demo) drafter; None for --no-spec
-    or a user model without a config."""
+    """The speculative config as JSON text: --speculative-config (a dict from the ``json_object`` type, or JSON
+    text / ``@file`` from a parser without it, read here: never the raw ``@file`` string); else DSpark with the
+    bundled, shipped (or demo) drafter; None for --no-spec or a user model without a config."""
     if getattr(args, "no_spec", False):
         return None
-    if args.speculative_config:
-        return args.speculative_config
+    given = args.speculative_config
+    if given:
+        if isinstance(given, str):
+            try:
+                given = json_object(given)
+            except argparse.ArgumentTypeError as e:
+                raise ConfigError(f"--speculative-config: {e}") from None
+        return json.dumps(given)
     if demo_dir is not None:
         return json.dumps({"method": "dspark", "model": str(Path(demo_dir).parent / "draft")})
     if args.model is None or _has_shipped_drafter(args.model):
@@ -62,7 +128,6 @@ def default_spec(args: argparse.Namespace, demo_dir: str | None) -> str | None:
 def _has_shipped_drafter(model: str) -> bool:
     """A target with drafters shipped in the package (e.g. the ``smollm2-135m-instruct`` alias)."""
     from dspark.checkpoint.resolve import resolve_model_ref
-    from dspark.config import ConfigError
     from dspark.llm import shipped_drafts
 
     try:

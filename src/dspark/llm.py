@@ -7,7 +7,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dspark.checkpoint.resolve import BUNDLED_NAMES, bundled_target, resolve_model_ref
+from dspark.checkpoint.resolve import (
+    BUNDLED,
+    BUNDLED_DIR,
+    BUNDLED_NAMES,
+    bundled_drafters,
+    bundled_model_at,
+    resolve_model_ref,
+)
 from dspark.config import CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
 from dspark.doctor.gate import check_before_load, check_finite
 from dspark.engine.engine import Engine, RequestOutput, load_adaptive
@@ -16,16 +23,26 @@ from dspark.models.loading import load_drafter, load_target
 from dspark.sampling_params import SamplingParams
 from dspark.tokenizer import load_tokenizer
 
-ASSETS = Path(__file__).resolve().parent / "assets"
+ASSETS = BUNDLED_DIR
+
+
+def _drafter_pair(target: str) -> tuple[Path, Path]:
+    drafters = bundled_drafters(target)
+    return drafters["dspark"].path, drafters["dflash"].path
+
+
+# Derived from the one registry of bundled models (dspark.checkpoint.resolve.BUNDLED).
 # name → (target, DSpark drafter, DFlash drafter); the default pair is the K3-shaped hybrid (kimi_linear), the
 # DeepSeek-V3-shaped k3-mini stays (vLLM's CPU build can run it)
-BUNDLED_PAIRS = {n: (bundled_target(n), ASSETS / f"{n}-dspark", ASSETS / f"{n}-dflash") for n in BUNDLED_NAMES}
-DEFAULT_PAIR = next((n for n, (t, _, _) in BUNDLED_PAIRS.items() if (t / "config.json").is_file()), BUNDLED_NAMES[0])
+BUNDLED_PAIRS = {n: (BUNDLED[n].path, *_drafter_pair(n)) for n in BUNDLED_NAMES}
+DEFAULT_PAIR = next((n for n in BUNDLED_NAMES if BUNDLED[n].available), BUNDLED_NAMES[0])
 BUNDLED_TARGET, BUNDLED_DRAFT, BUNDLED_DFLASH = BUNDLED_PAIRS[DEFAULT_PAIR]
 MLA_TARGET, MLA_DRAFT, MLA_DFLASH = BUNDLED_PAIRS["k3-mini"]
 OFFICIAL_DRAFT_CONFIG = ASSETS / "formats" / "kimi-k3-dspark.config.json"  # Inferact/Kimi-K3-DSpark
-# (DSpark, DFlash) drafters shipped for packaged-alias targets
-ALIAS_DRAFTS = {"smollm2-135m-instruct": (ASSETS / "smollm2-135m-dspark", ASSETS / "smollm2-135m-dflash")}
+# (DSpark, DFlash) drafters shipped for packaged-alias targets (targets that are not bundled themselves)
+ALIAS_DRAFTS = {
+    m.target: _drafter_pair(m.target) for m in BUNDLED.values() if m.is_drafter and m.target not in BUNDLED_NAMES
+}
 
 
 def bundled_available() -> bool:
@@ -36,7 +53,15 @@ def resolve_model(model: str | Path | None) -> Path:
     """The local HF directory of a model reference (directory, ``.gguf`` file, alias, hub id in the local
     HF/ModelScope cache; see dspark.checkpoint.resolve); the bundled target by default."""
     if model is not None:
-        return resolve_model_ref(model, role="model")
+        path = resolve_model_ref(model, role="model")
+        entry = bundled_model_at(path)
+        if entry is not None and entry.is_drafter:
+            raise ConfigError(
+                f"model {str(model)!r} is the bundled {entry.role} drafter of {entry.target!r}, not a target; pass "
+                f'--model {entry.target} with --speculative-config \'{{"method": "{entry.role}", "model": '
+                f'"{entry.name}"}}\''
+            )
+        return path
     if not (BUNDLED_TARGET / "config.json").exists():
         raise ConfigError(
             f"no --model given and the bundled model is missing at {BUNDLED_TARGET}; pass --model DIR "

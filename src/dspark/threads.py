@@ -4,17 +4,18 @@ Decode on CPU is a chain of small ops; whether a second intra-op thread helps de
 how busy they are) and on the model's matrix sizes: on a 2-core shared machine one thread beats two by 25-40 %
 for the bundled pair, while a 7B model wants every core. So the default is measured, not a constant:
 
-1. ``DSPARK_NUM_THREADS`` (an integer) wins when set;
+1. a ``--threads N`` flag (``set_threads``), else ``DSPARK_NUM_THREADS`` (an integer), wins;
 2. else a cached choice for (CPU model, usable cores, torch version, model shape and dtype) from
-   ``$XDG_CACHE_HOME/dspark/threads.json`` (``~/.cache`` by default);
-3. else a calibration (a few seconds): a few real engine decode steps on the loaded model (see
+   ``$DSPARK_CACHE/threads.json`` (``~/.cache/dspark`` by default, the cache GGUF exports use);
+3. else a calibration (seconds on an idle machine, a few minutes on a busy one; one line on stderr says what it is
+   doing and how to skip it): a few real engine decode steps on the loaded model (see
    ``dspark.llm.build_engines``), timed round-robin at each candidate count (1, 2, 4, ... up to the usable
    cores), 7 times each. The best time of each count is compared (the machine's capability; medians on a busy
    machine measure the neighbours), and a larger count must win by MARGIN: under contention every extra
    OpenMP thread is a barrier partner that may be descheduled (measured here under load: 1 thread 58-1275 ms,
    2 threads 918-15703 ms for the same steps). The choice is cached.
 
-A ``--num-threads`` flag (``set_threads``) overrides all of this.
+``set_threads`` (``--threads`` / ``--num-threads`` flags) overrides all of this.
 
 Inter-op threads stay at torch's default (eager inference runs no inter-op work). The OpenMP wait policy is
 PASSIVE (set by ``import dspark`` before torch loads): spinning waiters stall each other on a shared machine.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -92,8 +94,23 @@ def pick(best: dict[int, float], margin: float = MARGIN) -> int:
 
 
 def _cache_path() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "dspark" / "threads.json"
+    from dspark.checkpoint.gguf import cache_root  # $DSPARK_CACHE, default ~/.cache/dspark
+
+    return cache_root() / "threads.json"
+
+
+def env_threads() -> int | None:
+    """``DSPARK_NUM_THREADS`` as a thread count; None when unset; a clear error when it is not a positive integer."""
+    env = os.environ.get(ENV, "").strip()
+    if not env:
+        return None
+    try:
+        n = int(env)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{ENV}={env!r}: expected a positive integer thread count, or unset it")
+    return n
 
 
 def _read_cache(path: Path) -> dict:
@@ -107,18 +124,16 @@ def _read_cache(path: Path) -> dict:
 def choose_threads(model_key: str, workload: Callable[[], object]) -> int:
     """Set and return torch's intra-op thread count for this machine and model (see the module docstring)."""
     global _source
-    env = os.environ.get(ENV)
-    if env:
-        try:
-            n = int(env)
-        except ValueError:
-            raise ValueError(f"{ENV}={env!r}: expected a positive integer thread count, or unset it") from None
-        if n < 1:
-            raise ValueError(f"{ENV}={env!r}: expected a positive integer thread count, or unset it")
-        torch.set_num_threads(n)
+    env = env_threads()
+    if env is not None:
+        torch.set_num_threads(env)
         _source = f"${ENV}"
-        return n
+        return env
     cores = usable_cores()
+    if cores == 1:  # nothing to choose between
+        torch.set_num_threads(1)
+        _source = "the one usable core"
+        return 1
     key = f"{_cpu_model()}|{cores} cores|torch {torch.__version__}|{model_key}"
     path = _cache_path()
     cache = _read_cache(path)
@@ -126,6 +141,12 @@ def choose_threads(model_key: str, workload: Callable[[], object]) -> int:
         n = int(cache[key]["threads"])
         _source = f"calibrated earlier ({path})"
     else:
+        print(
+            f"dspark: timing decode steps at {', '.join(map(str, candidates(cores)))} CPU threads to pick the "
+            f"fastest for this machine and model (once; kept in {path}); skip it with --threads N or {ENV}=N",
+            file=sys.stderr,
+            flush=True,
+        )
         best = calibrate(workload, candidates(cores))
         n = pick(best)
         cache[key] = {"threads": n, "best_ms": {str(c): round(s * 1e3, 3) for c, s in best.items()}}

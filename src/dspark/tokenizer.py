@@ -77,6 +77,12 @@ class HFTokenizer:
         return len(self.tok)
 
     @property
+    def has_chat_template(self) -> bool:
+        """Whether the model ships a chat template (tokenizer_config.json ``chat_template`` or
+        chat_template.jinja), as transformers loads it."""
+        return bool(self.tok.chat_template)
+
+    @property
     def backend(self) -> Any:
         """The underlying ``tokenizers.Tokenizer`` (batch encoding of training corpora)."""
         return self.tok.backend_tokenizer
@@ -128,6 +134,8 @@ class ByteTokenizer:
 
     def detokenizer(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.decode)
+
+    has_chat_template = False  # the format below stands in for a model's template; it is not one
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> str:
         turns = [f"<|{m.get('role', 'user')}|>{m.get('content', '')}" for m in messages]

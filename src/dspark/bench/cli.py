@@ -137,9 +137,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--num-threads",
+        "--threads",
         type=int,
         default=None,
-        help="torch CPU threads (default: measured per machine and model, see dspark/threads.py)",
+        help="torch CPU threads (default: DSPARK_NUM_THREADS, else measured per machine and model, see "
+        "dspark/threads.py)",
     )
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens per prompt")
     p.add_argument("--no-warmup", action="store_true", help="skip the one short warm-up call per method")

@@ -183,13 +183,14 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def _resolve(args: argparse.Namespace) -> tuple[Path, Path | None]:
+    from dspark.checkpoint.resolve import resolve_model_ref
     from dspark.llm import resolve_model, shipped_drafts
 
     target_dir = resolve_model(args.model)
     if args.no_draft:
         return target_dir, None
     if args.draft is not None:
-        return target_dir, Path(args.draft)
+        return target_dir, resolve_model_ref(args.draft, role="--draft")
     shipped = shipped_drafts(target_dir)
     if shipped is not None and (shipped[0] / "config.json").exists():
         return target_dir, shipped[0]
@@ -266,7 +267,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--raw", action="store_true", help="keep raw medians (no non-increasing fit over B)")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     p.add_argument(
-        "--num-threads", type=int, default=None, help="torch threads (default: measured, see dspark/threads.py)"
+        "--num-threads",
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: DSPARK_NUM_THREADS, else measured, see dspark/threads.py)",
     )
     p.add_argument("--quiet", action="store_true", help="no per-point lines")
     p.add_argument(

@@ -11,16 +11,22 @@ HF directory — ``config.json``, ``model.safetensors`` (fp32, the exact dequant
 
 The export lives under ``$DSPARK_CACHE/gguf/<stem>-<hash>/`` (default ``~/.cache/dspark``), keyed by the file's path,
 size and mtime, and is written to a temporary sibling then renamed, so a crash never leaves a half-written model.
+It also records the file it came from (``dspark_gguf_source.json``), so a loader handed the export can serve the
+file's Q4_0/Q4_1/Q8_0 blocks quantized (``read_gguf_blocks``: the raw blocks, HF-named, q/k rows un-permuted;
+``dspark.models.quantized``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import shutil
+import struct
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -255,13 +261,8 @@ def read_gguf_state(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.T
 
     Tensors without an HF name or of an unsupported type are reported all together, never loaded half.
     """
-    from gguf import GGUFReader
-
     path = Path(path)
-    try:
-        reader = GGUFReader(str(path))
-    except Exception as e:  # noqa: BLE001 - the gguf package raises bare ValueError/struct errors
-        raise CheckpointError(Problem(f"{path}: not a readable GGUF file ({e})", "re-download the file")) from e
+    reader = _open(path)
     names = {t.name for t in reader.tensors}
     cfg = hf_config(reader, names, str(path))
     problems = []
@@ -289,7 +290,157 @@ def read_gguf_state(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.T
     return cfg, state
 
 
+def _open(path: Path) -> Any:
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - the gguf package raises bare ValueError/struct errors
+        raise CheckpointError(Problem(f"{path}: not a readable GGUF file ({e})", "re-download the file")) from e
+
+
+@dataclass(frozen=True, eq=False)
+class GGUFBlocks:
+    """One block-quantized tensor as stored: ``raw`` uint8 [rows, cols / values_per_block · bytes_per_block]."""
+
+    qtype: str  # "Q4_0" | "Q4_1" | "Q8_0" | ...
+    rows: int
+    cols: int
+    raw: np.ndarray
+
+    def dequantize(self) -> np.ndarray:  # float32 [rows, cols]: the values the export holds
+        return dequantize(self.raw, self.qtype, (self.rows, self.cols))
+
+
+# value type id -> struct format of the GGUF scalar types (8 = string, 9 = array)
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+@dataclass(frozen=True)
+class GGUFIndex:
+    """A GGUF file's scalar/string metadata (arrays skipped) and where each tensor's bytes are."""
+
+    metadata: dict[str, Any]
+    tensors: dict[str, tuple[str, tuple[int, ...], int]]  # name -> (type name, ne (GGUF order), absolute offset)
+
+
+class _Cursor:
+    """Reads GGUF header values from a buffer, front to back."""
+
+    def __init__(self, buf: Any) -> None:
+        self.buf, self.pos = buf, 0
+
+    def take(self, fmt: str) -> Any:
+        (v,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return v
+
+    def string(self) -> str:
+        n = self.take("<Q")
+        self.pos += n
+        return bytes(self.buf[self.pos - n : self.pos]).decode("utf-8", errors="replace")
+
+    def value(self, kind: int) -> Any:
+        """A metadata value of type ``kind``; arrays are skipped (None)."""
+        if kind in _SCALARS:
+            return self.take(_SCALARS[kind])
+        if kind == 8:
+            return self.string()
+        if kind != 9:
+            raise ValueError(f"unknown metadata value type {kind}")
+        elem, count = self.take("<I"), self.take("<Q")
+        if elem in _SCALARS:
+            self.pos += count * struct.calcsize(_SCALARS[elem])
+        else:
+            for _ in range(count):
+                self.value(elem)
+        return None
+
+
+def read_gguf_index(path: str | Path) -> GGUFIndex:
+    """Parse the header of a GGUF file (magic, version 2/3, key/value metadata, tensor infos) without building
+    the vocabulary arrays GGUFReader materialises (seconds for a 49k-token vocabulary; this takes milliseconds)."""
+    from gguf import GGMLQuantizationType
+
+    path = Path(path)
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        c = _Cursor(buf)
+        try:
+            if bytes(buf[:4]) != b"GGUF":
+                raise ValueError("no GGUF magic")
+            c.pos = 4
+            version, n_tensors, n_kv = c.take("<I"), c.take("<Q"), c.take("<Q")
+            if version not in (2, 3):
+                raise ValueError(f"GGUF version {version} (2 and 3 are read)")
+            meta = {}
+            for _ in range(n_kv):
+                key = c.string()
+                meta[key] = c.value(c.take("<I"))
+            infos = []
+            for _ in range(n_tensors):
+                name = c.string()
+                ne = tuple(c.take("<Q") for _ in range(c.take("<I")))
+                infos.append((name, GGMLQuantizationType(c.take("<I")).name, ne, c.take("<Q")))
+        except (ValueError, struct.error) as e:
+            raise CheckpointError(Problem(f"{path}: not a readable GGUF file ({e})", "re-download the file")) from e
+        align = int(meta.get("general.alignment") or 32)
+        data = -(-c.pos // align) * align
+    return GGUFIndex(meta, {name: (kind, ne, data + off) for name, kind, ne, off in infos})
+
+
+def read_gguf_blocks(path: str | Path, types: tuple[str, ...] = ("Q4_0", "Q4_1", "Q8_0")) -> dict[str, GGUFBlocks]:
+    """The raw blocks of every 2-D tensor of the given block types, by HF name, with llama.cpp's q/k row
+    permutation undone (rows are whole blocks, so the permutation moves bytes, never values): what quantized
+    serving keeps in memory instead of the dequantized export. ``raw`` may map the file (read-only)."""
+    path = Path(path)
+    index = read_gguf_index(path)
+    arch = index.metadata.get("general.architecture")
+    heads = index.metadata.get(f"{arch}.attention.head_count")
+    kv_heads = index.metadata.get(f"{arch}.attention.head_count_kv", heads)
+    file = np.memmap(path, dtype=np.uint8, mode="r")
+    out: dict[str, GGUFBlocks] = {}
+    for name, (qtype, ne, offset) in index.tensors.items():
+        hf = hf_name(name)
+        if qtype not in types or hf is None or len(ne) != 2:
+            continue
+        values, nbytes, _ = BLOCK_TYPES[qtype]
+        cols, rows = int(ne[0]), int(ne[1])  # GGUF's ne is (columns, rows)
+        raw = file[offset : offset + rows * cols // values * nbytes].reshape(rows, -1)
+        if arch in ROTARY_PERMUTED and ".attn_q." in name:
+            raw = unpermute_rotary(raw, int(heads))
+        elif arch in ROTARY_PERMUTED and ".attn_k." in name:
+            raw = unpermute_rotary(raw, int(kv_heads))
+        out[hf] = GGUFBlocks(qtype, rows, cols, raw)
+    return out
+
+
 # ---------------------------------------------------------------------------------------- export
+
+SOURCE_FILE = "dspark_gguf_source.json"  # in an export: the GGUF file it was made from
+
+
+def _source_record(path: Path) -> dict[str, Any]:
+    p = path.resolve()
+    st = p.stat()
+    return {"path": str(p), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "export_version": EXPORT_VERSION}
+
+
+def _write_source(path: Path, out: Path) -> None:
+    tmp = out / f".{SOURCE_FILE}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.write_text(json.dumps(_source_record(path), indent=2))
+    os.replace(tmp, out / SOURCE_FILE)
+
+
+def gguf_source(export: str | Path) -> Path | None:
+    """The GGUF file an export directory was made from, while that file is unchanged (same size and mtime);
+    None for a directory that is no GGUF export, or whose file moved or changed since."""
+    try:
+        rec = json.loads((Path(export) / SOURCE_FILE).read_text())
+        p = Path(rec["path"])
+        st = p.stat()
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return p if (st.st_size, st.st_mtime_ns) == (rec.get("size"), rec.get("mtime_ns")) else None
 
 
 def cache_root() -> Path:
@@ -311,6 +462,11 @@ def export_gguf(path: str | Path, out: str | Path | None = None) -> Path:
         raise CheckpointError(Problem(f"GGUF file {path} does not exist", "check the path"))
     final = Path(out) if out is not None else export_dir_for(path)
     if (final / "config.json").exists():
+        if not (final / SOURCE_FILE).exists():  # an export written before the source record existed
+            try:
+                _write_source(path, final)
+            except OSError:
+                pass  # a read-only cache: quantized serving then falls back to the dequantized weights
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -335,6 +491,7 @@ def _write_export(path: Path, out: Path) -> None:
     _write_tokenizer(path, out, cfg)
     gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if cfg[k] is not None}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    _write_source(path, out)
     (out / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}, indent=2))
 
 

@@ -2,11 +2,13 @@
 
 A reference is, in this order: an existing path (a model directory, a ``.gguf`` file, or any other file such
 as a ``config.json`` for ``dspark roster``); a packaged alias such as ``smollm2-135m-instruct`` (a GGUF file
-inside an installable package); or a hub id ``org/name[@revision]`` looked up in the local Hugging Face cache
-(``HF_HUB_CACHE`` / ``HF_HOME``, through ``huggingface_hub``'s cache API with local files only) and then in the
-ModelScope cache (``MODELSCOPE_CACHE``, default ``~/.cache/modelscope/hub``). A GGUF file is exported once to a
-cached HF directory. Nothing here opens a network connection: a reference that is not on disk is an error
-naming it and the commands that fetch it. Resolve once, at the entry point; everything below takes the path.
+inside an installable package); a bundled model shipped in dspark itself (``BUNDLED``: the targets
+``kimi-k3-mini``, ``k3-mini`` and every drafter ``<name>-dspark`` / ``<name>-dflash``); or a hub id
+``org/name[@revision]`` looked up in the local Hugging Face cache (``HF_HUB_CACHE`` / ``HF_HOME``, through
+``huggingface_hub``'s cache API with local files only) and then in the ModelScope cache (``MODELSCOPE_CACHE``,
+default ``~/.cache/modelscope/hub``). A GGUF file is exported once to a cached HF directory. Nothing here opens
+a network connection: a reference that is not on disk is an error naming it and the commands that fetch it.
+Resolve once, at the entry point; everything below takes the path.
 """
 
 from __future__ import annotations
@@ -21,10 +23,15 @@ from dspark.config import ConfigError
 
 __all__ = [
     "ALIASES",
+    "BUNDLED",
+    "BUNDLED_NAMES",
+    "BundledModel",
     "ModelNotFoundError",
     "ModelRef",
     "PackagedModel",
     "alias_path",
+    "bundled_drafters",
+    "bundled_model_at",
     "fetch_commands",
     "hf_hub_cache",
     "locate_model",
@@ -51,13 +58,62 @@ ALIASES: dict[str, PackagedModel] = {
 }
 
 
-# model pairs shipped inside dspark (target dirs; their drafters are <name>-dspark and <name>-dflash)
+# ---- models shipped inside dspark (src/dspark/assets/<name>): the one registry of bundled names --------------
+
 BUNDLED_DIR = Path(__file__).resolve().parent.parent / "assets"
-BUNDLED_NAMES = ("kimi-k3-mini", "k3-mini")  # the first is the default pair
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    """A model directory shipped in the package, usable by its name wherever a model reference is accepted."""
+
+    name: str  # the directory under assets/ and the reference users type
+    role: str  # "target" | "dspark" | "dflash" (a drafter trained by that method)
+    target: str  # a drafter's target (a bundled name or a packaged alias); a target's own name
+
+    @property
+    def path(self) -> Path:
+        return BUNDLED_DIR / self.name
+
+    @property
+    def available(self) -> bool:
+        return (self.path / "config.json").is_file()
+
+    @property
+    def is_drafter(self) -> bool:
+        return self.role != "target"
+
+
+def _bundled_models() -> dict[str, BundledModel]:
+    # (target, drafter name stem, whether the target is bundled here); the first target is the default pair
+    pairs = (("kimi-k3-mini", "kimi-k3-mini", True), ("k3-mini", "k3-mini", True))
+    pairs += (("smollm2-135m-instruct", "smollm2-135m", False),)  # the target is a packaged alias (ALIASES)
+    models: dict[str, BundledModel] = {}
+    for target, stem, bundled in pairs:
+        if bundled:
+            models[target] = BundledModel(target, "target", target)
+        for method in ("dspark", "dflash"):
+            models[f"{stem}-{method}"] = BundledModel(f"{stem}-{method}", method, target)
+    return models
+
+
+BUNDLED: dict[str, BundledModel] = _bundled_models()
+BUNDLED_NAMES = tuple(n for n, m in BUNDLED.items() if m.role == "target")  # the first is the default pair
 
 
 def bundled_target(name: str) -> Path:
     return BUNDLED_DIR / name
+
+
+def bundled_drafters(target: str) -> dict[str, BundledModel]:
+    """The drafters shipped for a target (bundled name or packaged alias), by method: {"dspark": ..., ...}."""
+    return {m.role: m for m in BUNDLED.values() if m.is_drafter and m.target == target}
+
+
+def bundled_model_at(path: str | Path) -> BundledModel | None:
+    """The registry entry whose directory ``path`` is (by resolved path, so a path works as well as the name)."""
+    p = Path(path).resolve()
+    return next((m for m in BUNDLED.values() if m.path.resolve() == p), None)
 
 
 def alias_path(name: str) -> Path:
@@ -88,7 +144,15 @@ def is_alias_export(path: str | Path, alias: str) -> bool:
 
 
 class ModelNotFoundError(ConfigError):
-    """A model reference that names nothing on this machine; the message lists the commands that fetch it."""
+    """A model reference that names nothing on this machine; the message lists the commands that fetch it, and
+    ``fix`` says what to do in one line (what ``dspark check`` prints after "fix:")."""
+
+    def __init__(self, message: str, fix: str = "") -> None:
+        super().__init__(message)
+        self.fix = fix or (
+            "pass a model directory (config.json + safetensors), a .gguf file, a bundled model name or a hub id "
+            "org/name already in the local cache"
+        )
 
 
 @dataclass(frozen=True)
@@ -144,7 +208,9 @@ def _hf_snapshot(repo: str, revision: str | None) -> Path | None:
         folder = snapshot_download(repo, revision=revision or "main", cache_dir=cache, local_files_only=True)
     except IncompleteSnapshotError as e:
         lines = "\n".join(f"  {c}" for c in fetch_commands(repo, revision))
-        raise ModelNotFoundError(f"{e}\nComplete it with one of:\n{lines}") from e
+        raise ModelNotFoundError(
+            f"{e}\nComplete it with one of:\n{lines}", "complete the download with one of the commands above"
+        ) from e
     except (LocalEntryNotFoundError, FileNotFoundError):
         return None
     return Path(folder)
@@ -171,7 +237,8 @@ def _not_found(ref: str, repo: str, revision: str | None, role: str) -> ModelNot
         f"{role} {ref!r}: not a local path, and hub id {repo!r}"
         + (f" at revision {revision!r}" if revision else "")
         + f" is not in {where} (dspark never downloads). Fetch it with one of:\n{lines}\n"
-        "or pass the model directory itself (HF_HUB_CACHE / HF_HOME / MODELSCOPE_CACHE select other caches)"
+        "or pass the model directory itself (HF_HUB_CACHE / HF_HOME / MODELSCOPE_CACHE select other caches)",
+        "fetch it with one of the commands above (dspark never downloads), or pass the model directory",
     )
 
 
@@ -183,16 +250,22 @@ def locate_model(ref: str | os.PathLike[str], *, role: str = "model") -> ModelRe
         return ModelRef(text, path, "path")
     if text in ALIASES:
         return ModelRef(text, alias_path(text), "alias")
-    if text in BUNDLED_NAMES and (bundled_target(text) / "config.json").is_file():
-        return ModelRef(text, bundled_target(text), "bundled")
+    if text in BUNDLED:
+        if not BUNDLED[text].available:
+            raise ModelNotFoundError(
+                f"{role} {text!r}: a bundled model, but {BUNDLED[text].path}/config.json is missing from this "
+                "install (the package data under dspark/assets); reinstall dspark or pass a model directory"
+            )
+        return ModelRef(text, BUNDLED[text].path, "bundled")
     if path.suffix.lower() == ".gguf":
         raise ModelNotFoundError(f"{role}: GGUF file {path} does not exist")
     m = HUB_ID.match(text)
     if m is None:
         raise ModelNotFoundError(
             f"{role} {text!r}: no such file or directory, and not a hub id of the form org/name[@revision] nor an "
-            f"alias ({sorted(ALIASES)}) nor a bundled model ({list(BUNDLED_NAMES)}); pass a model directory "
-            "(config.json + safetensors), a .gguf file or a hub id"
+            f"alias ({', '.join(ALIASES)}) nor a bundled model ({', '.join(BUNDLED)})",
+            "check the spelling, or pass a model directory (config.json + safetensors), a .gguf file or a hub id "
+            "org/name already in the local cache",
         )
     repo, revision = m.group("repo"), m.group("revision")
     snapshot = _hf_snapshot(repo, revision)

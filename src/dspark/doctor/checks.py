@@ -1339,29 +1339,45 @@ def _status(report: CheckReport, name: str) -> str:
     return "passed" if name in report.passed else "skipped" if name in report.skipped else ""
 
 
+def _problem_line(p: CheckProblem, bad_mark: str, dash: str) -> str:
+    """``  ✖ check: message – fix: fix``; a multi-line message keeps its lines indented under it, the fix last."""
+    if "\n" not in p.message:
+        return f"  {bad_mark} {p.check}: {p.message} {dash} fix: {p.fix}"
+    message = p.message.replace("\n", "\n      ")
+    return f"  {bad_mark} {p.check}: {message}\n    {dash} fix: {p.fix}"
+
+
 def format_report(report: CheckReport, *, ascii_only: bool = False) -> str:
     """Human output in the six deployment steps: ✔ per passed check, ✖ + fix per problem, – per skipped check
-    (and why), then each step's notes (step 5: the command to run next; step 6: the metrics to watch)."""
+    (and why), then each step's notes (step 5: the command to run next; step 6: the metrics to watch).
+
+    Every problem is printed: one found before the checks could run (a model reference that names nothing, check
+    ``model-reference``, or any check outside the table) comes first; when nothing else ran, the steps are left
+    out (they would list checks that never looked at anything)."""
     ok_mark, bad_mark, dash = ("OK", "X", "-") if ascii_only else ("✔", "✖", "–")
+    names = {c.name for c in CHECKS}
     by_check: dict[str, list[CheckProblem]] = {}
     for p in report.problems:
         by_check.setdefault(p.check, []).append(p)
-    lines = []
-    for n, title in STEPS:
+    lines = [_problem_line(p, bad_mark, dash) for p in report.problems if p.check not in names]
+    ran = bool(report.passed or report.skipped or any(p.check in names for p in report.problems))
+    for n, title in STEPS if ran else ():
         lines.append(f"[{n}/6] {title}")
         for check in (c for c in CHECKS if c.step == n):
             if check.name in report.passed:
                 lines.append(f"  {ok_mark} {check.name}: {check.title}")
-            for p in by_check.get(check.name, []):
-                lines.append(f"  {bad_mark} {check.name}: {p.message} {dash} fix: {p.fix}")
+            lines += [_problem_line(p, bad_mark, dash) for p in by_check.get(check.name, [])]
             if check.name in report.skipped:
                 lines.append(f"  {dash} {check.name}: skipped ({report.skip_reasons.get(check.name, 'not run')})")
         lines += [f"    {note}" for note in report.notes.get(n, ())]
-    n_checks = len(report.passed) + len({p.check for p in report.problems})
+    n_checks = len(report.passed) + len(by_check)
     skipped = f", {len(report.skipped)} skipped" if report.skipped else ""
     if report.ok:
         lines.append(f"{ok_mark} all {n_checks} checks passed{skipped}")
     else:
         n = len(report.problems)
-        lines.append(f"{bad_mark} {n} problem{'s' if n != 1 else ''} in {len(by_check)} of {n_checks} checks{skipped}")
+        lines.append(
+            f"{bad_mark} {n} problem{'s' if n != 1 else ''} in {len(by_check)} of {n_checks} checks{skipped}"
+            + ("" if ran else ": nothing else could be checked")
+        )
     return "\n".join(lines)

@@ -9,8 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import dspark.native as native
 from dspark.config import RopeConfig
 from dspark.models.packing import Linear, Packable, PackedWeight, packed_linear
+from dspark.models.quantized import QuantGroup, QuantLinear, silu_mul_f32
 from dspark.models.rope import RotaryEmbedding
 
 
@@ -27,8 +29,29 @@ class RMSNorm(nn.Module):
         # hands it bf16/fp16 directly: it computes in fp32 and rounds once, as the cast-compute-cast path does
         # (bitwise, tested), in one op instead of three; training keeps the explicit casts (autocast-stable)
         if not torch.is_grad_enabled():
+            ops = self._native_ops(x)
+            if ops is not None:
+                return ops.rms_norm(x, self.weight, self.eps, None)[0]
             return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): one native kernel where ``use_native`` applies, else the two ops."""
+        ops = None if torch.is_grad_enabled() else self._native_ops(x)
+        if ops is not None and residual.dtype == torch.float32 and residual.shape == x.shape:
+            return ops.rms_norm(x, self.weight, self.eps, residual)
+        h = residual + x
+        return self(h), h
+
+    def use_native(self, on: bool = True) -> None:
+        """Run fp32 inference through the native fused kernel (``dspark.native``: the same formula, its own order
+        of the sum of squares, so not bit-identical to torch's); quantized GGUF models turn it on."""
+        self.__dict__["_native"] = on
+
+    def _native_ops(self, x: torch.Tensor):
+        if not self.__dict__.get("_native") or x.dtype != torch.float32 or self.weight.dtype != torch.float32:
+            return None
+        return native.ops()
 
 
 class SwiGLU(nn.Module, Packable):
@@ -41,6 +64,11 @@ class SwiGLU(nn.Module, Packable):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        quant = self._quant_gate_up(x)
+        if quant is not None:  # GGUF blocks: one native product for gate|up, fp32 through to down_proj's input
+            gu = quant.forward_f32(x)
+            h = silu_mul_f32(gu) if type(self).activate is SwiGLU.activate else self.activate(*gu.chunk(2, dim=-1))
+            return same_dtype(self.down_proj(h), x.dtype)
         gate_up = self.fused_gate_up()
         if gate_up is None:
             return self.down_proj(self.activate(self.gate_proj(x), self.up_proj(x)))
@@ -55,7 +83,13 @@ class SwiGLU(nn.Module, Packable):
 
     def fuse(self, gate_up: torch.Tensor | None = None) -> None:
         """Store gate_proj and up_proj weights in one [2I, D] tensor (``gate_up``, or a new one) and make the two
-        weights views of it, so inference runs one GEMM for both; the parameters keep their names and values."""
+        weights views of it, so inference runs one GEMM for both; the parameters keep their names and values.
+        Quantized projections (``QuantLinear``) are grouped instead: their blocks concatenated for one product, each
+        keeping a row slice (different block types stay two products)."""
+        parts = (self.gate_proj, self.up_proj)
+        if any(isinstance(p, QuantLinear) for p in parts):
+            self.__dict__["_gate_up_quant"] = QuantGroup.regroup(self.__dict__.get("_gate_up_quant"), parts)
+            return
         inter = self.gate_proj.weight.shape[0]
         if gate_up is None and self._linked_gate_up() is not None:
             return  # already fused
@@ -84,6 +118,10 @@ class SwiGLU(nn.Module, Packable):
     def packed_count(self) -> int:
         gate_up, packed = self._linked_gate_up(), self.__dict__.get("_gate_up_packed")
         return int(gate_up is not None and packed is not None and packed.matches(gate_up))
+
+    def _quant_gate_up(self, x: torch.Tensor):
+        group = self.__dict__.get("_gate_up_quant")
+        return None if group is None else group.current((self.gate_proj, self.up_proj), x)
 
     def fused_gate_up(self) -> torch.Tensor | None:
         """The fused [2I, D] weight while both projections still live in it (a .to() or a re-assigned weight

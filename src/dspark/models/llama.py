@@ -29,6 +29,7 @@ from dspark.models.layers import (
 )
 from dspark.models.packing import Linear, Packable, PackedWeight, packed_linear
 from dspark.models.protocol import CacheView, PageFormat, StateSpec, TargetOutput, head_output
+from dspark.models.quantized import QuantGroup, QuantLinear
 from dspark.models.rope import apply_rope_half, half_rotation_tables
 from dspark.profiling import scope
 
@@ -55,7 +56,13 @@ class GQAttention(nn.Module, Packable):
 
     # ---- fused q|k|v for inference ----------------------------------------------------------------------
     def fuse(self) -> None:
-        """Store q/k/v weights (and biases) as row blocks of one tensor; idempotent."""
+        """Store q/k/v weights (and biases) as row blocks of one tensor; idempotent. Quantized projections
+        (``QuantLinear``) are grouped instead: their blocks concatenated for one product, each keeping a row slice
+        (mixed block types stay three products)."""
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        if any(isinstance(p, QuantLinear) for p in parts):
+            self.__dict__["_qkv_quant"] = QuantGroup.regroup(self.__dict__.get("_qkv_quant"), parts)
+            return
         if self._linked_qkv() is None:
             self.__dict__["_qkv"] = fuse_rows((self.q_proj, self.k_proj, self.v_proj))
 
@@ -88,16 +95,21 @@ class GQAttention(nn.Module, Packable):
         """x [B, T, D]; rotation tables [B, T, 1, hd] → (rope(q) [B, H, T, hd], page rows [B, T, 2·n_kv·hd])."""
         B, T, _ = x.shape
         H, n_kv, hd = self.num_heads, self.num_kv, self.head_dim
+        group = self.__dict__.get("_qkv_quant")
+        quant = None if group is None else group.current((self.q_proj, self.k_proj, self.v_proj), x)
         # fp32 (the bit-exact reference) keeps three GEMMs: one wider GEMM may round a few outputs differently
-        fused = None if torch.is_grad_enabled() or x.dtype == torch.float32 else self._linked_qkv()
-        if fused is None:
+        fused = None if quant is not None or torch.is_grad_enabled() or x.dtype == torch.float32 else self._linked_qkv()
+        if quant is None and fused is None:
             rows = self.kv_rows(x, cos2, sin2)
             q = self.q_proj(x).view(B, T, H, hd)
             if self.q_norm is not None:
                 q = self.q_norm(q)
             q = apply_rope_half(q, cos2, sin2)
             return q.transpose(1, 2), rows
-        qkv = packed_linear(x, fused[0], fused[1], self.__dict__.get("_qkv_packed")).view(B, T, H + 2 * n_kv, hd)
+        if quant is not None:  # GGUF blocks: one native product for q|k|v
+            qkv = same_dtype(quant.forward_f32(x), x.dtype).view(B, T, H + 2 * n_kv, hd)
+        else:
+            qkv = packed_linear(x, fused[0], fused[1], self.__dict__.get("_qkv_packed")).view(B, T, H + 2 * n_kv, hd)
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H : H + n_kv])), 2)
         else:
@@ -133,9 +145,9 @@ class DecoderLayer(nn.Module):
     def forward(self, h, cos2, sin2, mask, cache: CacheView | None) -> torch.Tensor:
         with scope("norm"):
             x = self.input_layernorm(h)
-        h = h + self.self_attn(x, cos2, sin2, mask, cache)
+        a = self.self_attn(x, cos2, sin2, mask, cache)
         with scope("norm"):
-            x = self.post_attention_layernorm(h)
+            x, h = self.post_attention_layernorm.add_forward(a, h)  # h + a, then its norm
         with scope("mlp"):
             return h + self.mlp(x)
 

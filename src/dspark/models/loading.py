@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+import dspark.native as native
+from dspark.checkpoint.gguf import gguf_source, read_gguf_blocks
 from dspark.checkpoint.io import list_checkpoint_tensors, save_state_dict
 from dspark.checkpoint.roster import TensorSpec, load_module_strict, module_roster
 from dspark.config import (
@@ -31,9 +33,11 @@ from dspark.models.drafter import DSparkDrafter
 from dspark.models.hf_target import HFTarget
 from dspark.models.k3 import K3MoE
 from dspark.models.kimi_linear import HybridLayer, KimiLinearTarget, checkpoint_name
+from dspark.models.layers import RMSNorm
 from dspark.models.llama import LlamaTarget
 from dspark.models.packing import Linear
 from dspark.models.protocol import Target
+from dspark.models.quantized import quantize_gguf_linears
 from dspark.models.target import MLATarget, MoE
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -88,11 +92,20 @@ def target_roster(cfg: TargetConfig | GQATargetConfig) -> dict[str, TensorSpec]:
     return head | layers | tail
 
 
-def load_target(path: str | Path, dtype: str | torch.dtype = "float32") -> Target:
+QUANTIZATIONS = ("auto", "gguf", "gguf-int8", "none")
+
+
+def load_target(path: str | Path, dtype: str | torch.dtype = "float32", quantization: str = "none") -> Target:
     """Load an HF model directory as a target: config.json read once, the family chosen by ``model_type``
-    (missing: DeepSeek-V3), strict load; unknown architectures go through transformers with one warning."""
+    (missing: DeepSeek-V3), strict load; unknown architectures go through transformers with one warning.
+
+    ``quantization``: "none" (dense weights, as exported), "gguf" (``path`` is the export of a .gguf file: its
+    Q4_0/Q4_1/Q8_0 linear weights are served as stored by the native kernels, exact fp32 arithmetic; see
+    ``dspark.models.quantized``), "gguf-int8" (the same with int8 activations, llama.cpp's arithmetic), or "auto"
+    ("gguf" for a GGUF export when the native kernels are available, else "none")."""
     path = Path(path)
     d = read_json(path)
+    quant = resolve_quantization(path, d, quantization)
     loader = TARGET_FAMILIES.get(d.get("model_type", "deepseek_v3"))
     if loader is None:
         warnings.warn(
@@ -101,7 +114,35 @@ def load_target(path: str | Path, dtype: str | torch.dtype = "float32") -> Targe
             stacklevel=2,
         )
         return HFTarget.load(path, torch_dtype(dtype), d)
-    return loader(path, d, torch_dtype(dtype))
+    model = loader(path, d, torch_dtype(dtype))
+    if quant is not None:
+        quantize_gguf_linears(model, read_gguf_blocks(quant), torch_dtype(dtype), int8=quantization == "gguf-int8")
+        for m in model.modules():  # fp32 norms (and the residual add before them) as one native kernel each
+            if isinstance(m, RMSNorm):
+                m.use_native()
+    return model
+
+
+def resolve_quantization(path: Path, d: Mapping[str, Any], quantization: str) -> Path | None:
+    """The GGUF file to serve quantized weights from, or None for dense weights (see ``load_target``)."""
+    if quantization not in QUANTIZATIONS:
+        raise ConfigError(f"quantization {quantization!r} is not supported; use one of {list(QUANTIZATIONS)}")
+    if quantization == "none":
+        return None
+    source = gguf_source(path)
+    native_family = TARGET_FAMILIES.get(d.get("model_type", "deepseek_v3")) is load_gqa_target
+    if quantization == "auto":
+        return source if source is not None and native_family and native.available() else None
+    if source is None:
+        raise ConfigError(
+            f"quantization {quantization!r}: {path} is not the export of a .gguf file (or the file changed since); "
+            "pass the model as its .gguf file or alias, or use quantization 'none'"
+        )
+    if not native_family:
+        raise ConfigError(
+            f"quantization {quantization!r}: model_type {d.get('model_type')!r} is served dense only; use 'none'"
+        )
+    return source
 
 
 def load_mla_target(path: Path, d: Mapping[str, Any], dtype: torch.dtype) -> MLATarget:

@@ -1,16 +1,17 @@
 """OpenAI-shaped errors, ``{"error": {"message", "type", "param", "code"}}``, and the handlers that produce them.
 
 400 bad input (malformed JSON, wrong types, values out of range, prompts longer than the context), 401 missing or
-wrong API key, 404 unknown model or route, 413 body over ``--max-request-bytes``, 503 full waiting queue, 500 for a
-request the engine failed (it keeps serving the others) or an unexpected error. Every error is answered as a normal
-response, so the client's keep-alive connection survives it.
+wrong API key, 404 unknown model or route, 405 a method the path does not serve (with ``Allow``), 413 body over
+``--max-request-bytes``, 503 full waiting queue, 500 for a request the engine failed (it keeps serving the others)
+or an unexpected error. Every error is answered as a normal response, so the client's keep-alive connection
+survives it. ``error_responses`` declares them in /openapi.json (one table, the ``ErrorResponse`` model).
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -21,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dspark.engine.engine import EngineError
 from dspark.sampling_params import SamplingParamsError
 from dspark.serve.async_engine import EngineDeadError, QueueFullError, RequestFailedError
-from dspark.serve.protocol import ErrorInfo, ErrorResponse
+from dspark.serve.protocol import DEPLOYMENT_LIMIT_CODES, ErrorInfo, ErrorResponse
 
 logger = logging.getLogger("dspark.serve")
 
@@ -42,7 +43,7 @@ class APIError(Exception):
     def body(self) -> ErrorResponse:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
 
-    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+    def response(self, headers: Mapping[str, str] | None = None) -> JSONResponse:
         return JSONResponse(self.body.model_dump(), status_code=self.status, headers=headers)
 
 
@@ -62,6 +63,29 @@ def api_error_of(e: BaseException) -> APIError:
     if isinstance(e, EngineDeadError):
         return APIError(500, str(e), "server_error", None, "engine_dead")
     return APIError(500, f"internal error: {e!r}", "server_error")
+
+
+ERROR_STATUSES: dict[int | str, str] = {
+    400: "The request is invalid: malformed JSON, a wrong type, a value out of range, or a limit of the served "
+    "model or of the server's flags, whose error codes are: " + ", ".join(sorted(DEPLOYMENT_LIMIT_CODES)) + ".",
+    401: "Missing or wrong API key (only when the server was started with --api-key or DSPARK_API_KEY).",
+    404: "The model named in the request is not the one this server serves (see GET /v1/models).",
+    413: "The request body is larger than --max-request-bytes.",
+    500: "The engine failed this request (the server keeps serving the others), or an unexpected error.",
+    503: "The waiting queue is full (retry after the Retry-After header's seconds), or the engine loop stopped.",
+    "4XX": "Any other client error, as the same error object (405 for a method the path does not serve, with Allow).",
+}
+
+
+def error_responses(*statuses: int | str) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI ``responses`` of these statuses, each the OpenAI error object (``ErrorResponse``). A route with
+    a body lists "4XX": FastAPI then declares no 422 of its own (validation errors are 400s here)."""
+    return {s: {"model": ErrorResponse, "description": ERROR_STATUSES[s]} for s in statuses}
+
+
+GET_ERRORS = error_responses(401, 500)
+BODY_ERRORS = error_responses(400, 401, 404, 413, 500, "4XX")
+GENERATION_ERRORS = error_responses(400, 401, 404, 413, 500, 503, "4XX")
 
 
 async def _known_error(_: Request, e: Exception) -> JSONResponse:
@@ -99,7 +123,7 @@ async def _validation_error(_: Request, e: RequestValidationError) -> JSONRespon
 async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
     kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
     code = "request_too_large" if e.status_code == 413 else None
-    return APIError(e.status_code, str(e.detail), kind, None, code).response()
+    return APIError(e.status_code, str(e.detail), kind, None, code).response(e.headers)  # 405 keeps its Allow
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -15,9 +15,16 @@ from dspark.config import ConfigError
 from dspark.engine.engine import Engine
 from dspark.sampling_params import SamplingParams
 from dspark.serve.errors import APIError
-from dspark.serve.protocol import ChatCompletionRequest, ChatMessage, CompletionPrompt, CompletionRequest
-
-EMPTY_PROMPT = "prompt is empty; give a non-empty string or a non-empty list of token ids"
+from dspark.serve.protocol import (
+    CHAT_TEMPLATE_ERROR,
+    CONTEXT_LENGTH_EXCEEDED,
+    TOKEN_ID_OUT_OF_RANGE,
+    TOO_MANY_PROMPTS,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionPrompt,
+    CompletionRequest,
+)
 
 
 def encode_prompt(engine: Engine, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -26,24 +33,20 @@ def encode_prompt(engine: Engine, text: str, add_special_tokens: bool = True) ->
 
 
 def render_chat(engine: Engine, messages: Sequence[ChatMessage]) -> str:
+    """The chat prompt text (the request models allow only 'text' content parts)."""
     turns = []
-    for i, m in enumerate(messages):
-        if isinstance(m.content, list):
-            bad = [p.type for p in m.content if p.type != "text"]
-            if bad:
-                raise APIError(
-                    400,
-                    f"messages[{i}].content: only 'text' parts are supported (got {bad[0]!r})",
-                    param=f"messages.{i}.content",
-                )
-            content = "".join(p.text or "" for p in m.content)
-        else:
-            content = m.content or ""
+    for m in messages:
+        content = "".join(p.text or "" for p in m.content) if isinstance(m.content, list) else m.content or ""
         turns.append({"role": m.role, "content": content})
     try:
         return engine.tokenizer.apply_chat_template(turns)
     except (ConfigError, TemplateError) as e:  # no chat template, or the template refuses these messages
-        raise APIError(400, f"messages: the model's chat template cannot render them ({e})", param="messages") from e
+        raise APIError(
+            400,
+            f"messages: the model's chat template cannot render them ({e})",
+            param="messages",
+            code=CHAT_TEMPLATE_ERROR,
+        ) from e
 
 
 def encode_chat(engine: Engine, messages: Sequence[ChatMessage]) -> list[int]:
@@ -51,8 +54,9 @@ def encode_chat(engine: Engine, messages: Sequence[ChatMessage]) -> list[int]:
 
 
 def encode_completion_prompts(engine: Engine, prompt: CompletionPrompt, max_prompts: int) -> list[list[int]]:
-    """One token-id list per prompt of a completions request (a string, token ids, or a batch of either)."""
-    if isinstance(prompt, str) or (prompt and all(isinstance(x, int) for x in prompt)):
+    """One token-id list per prompt of a completions request (a string, token ids, or a batch of either; the
+    request model already refused empty prompts and negative ids)."""
+    if isinstance(prompt, str) or all(isinstance(x, int) for x in prompt):
         prompt = [prompt]  # type: ignore[list-item]
     if len(prompt) > max_prompts:
         raise APIError(
@@ -60,26 +64,23 @@ def encode_completion_prompts(engine: Engine, prompt: CompletionPrompt, max_prom
             f"{len(prompt)} prompts in one request; at most {max_prompts} (the server's --max-prompts-per-request): "
             "split the batch over several requests",
             param="prompt",
+            code=TOO_MANY_PROMPTS,
         )
-    if not prompt or any(len(p) == 0 for p in prompt):
-        raise APIError(400, EMPTY_PROMPT, param="prompt")
-    return [encode_prompt(engine, p) if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[arg-type]
+    ids = [encode_prompt(engine, p) if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[arg-type]
+    check_token_ids(engine, [t for p in ids for t in p], "prompt")
+    return ids
 
 
-def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
-    if req.n != 1:
-        raise APIError(400, f"n={req.n} is not supported: only n=1; send several requests instead", param="n")
-    if isinstance(req, CompletionRequest):
-        if req.best_of not in (None, 1):
-            raise APIError(400, f"best_of={req.best_of} is not supported: only 1", param="best_of")
-        if req.logprobs is not None:
-            raise APIError(400, "logprobs are not supported by the dspark server; omit 'logprobs'", param="logprobs")
-        if req.echo:
-            raise APIError(400, "echo is not supported by the dspark server; omit 'echo'", param="echo")
-        if req.suffix:
-            raise APIError(400, "suffix is not supported by the dspark server; omit 'suffix'", param="suffix")
-    elif req.logprobs or req.top_logprobs:
-        raise APIError(400, "logprobs are not supported by the dspark server; omit 'logprobs'", param="logprobs")
+def check_token_ids(engine: Engine, ids: Sequence[int], param: str) -> None:
+    vocab = engine.target.config.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise APIError(
+            400,
+            f"token id {bad[0]} is out of range: the model's vocabulary has ids [0, {vocab})",
+            param=param,
+            code=TOKEN_ID_OUT_OF_RANGE,
+        )
 
 
 def check_length(engine: Engine, n_prompt: int, max_tokens: int, prompt_param: str) -> None:
@@ -90,7 +91,7 @@ def check_length(engine: Engine, n_prompt: int, max_tokens: int, prompt_param: s
             f"the prompt has {n_prompt} tokens but the model's context length is {limit} (and at least one token "
             "must be generated); shorten the prompt",
             param=prompt_param,
-            code="context_length_exceeded",
+            code=CONTEXT_LENGTH_EXCEEDED,
         )
     if max_tokens < 1:
         raise APIError(400, f"max_tokens={max_tokens} is invalid: it must be at least 1", param="max_tokens")
@@ -100,7 +101,7 @@ def check_length(engine: Engine, n_prompt: int, max_tokens: int, prompt_param: s
             f"max_tokens={max_tokens} is too large: the prompt has {n_prompt} tokens and the model's context length "
             f"is {limit}, so at most {limit - n_prompt} tokens can be generated; lower max_tokens",
             param="max_tokens",
-            code="context_length_exceeded",
+            code=CONTEXT_LENGTH_EXCEEDED,
         )
 
 

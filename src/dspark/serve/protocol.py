@@ -1,21 +1,45 @@
 """OpenAI-compatible request/response models (pydantic; the only pydantic in dspark).
 
 Requests ignore unknown fields (as vLLM does) and use strict types (as vLLM does): ``"max_tokens": true`` or
-``"stream": "yes"`` are 400s, not coerced. Text must be valid Unicode (a lone surrogate such as ``"\ud800"`` is a
+``"stream": "yes"`` are 400s, not coerced. An integer field takes any integral JSON number (``2.0`` is ``2``, as
+JSON Schema's "integer" says; ``2.5`` is a 400). Text must be valid Unicode (a lone surrogate such as ``"\ud800"`` is a
 400 naming the field). The fields dspark cannot honour (``logprobs``, ``echo``, ``n > 1``, ``best_of > 1``) are
 declared so they can be rejected with a clear 400 instead of being silently dropped.
+
+The models are the server's contract: ``/openapi.json`` is generated from them, so every rule a request must
+meet that does not depend on the model being served is declared here (ranges, non-empty prompts, the supported
+values of the unsupported fields) and appears in the JSON Schema. What depends on the served model (its context
+length, vocabulary and chat template) or on the server's flags is checked by the routes, whose 400s then carry
+one of ``DEPLOYMENT_LIMIT_CODES``.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
+from pydantic_core import PydanticCustomError, core_schema
+
+from dspark.sampling_params import INT64_MAX, INT64_MIN, MAX_TEMPERATURE
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 CHAT_DEFAULT_MAX_TOKENS = 256  # chat default, capped by what the context has left after the prompt
+EMPTY_PROMPT = "prompt is empty; give a non-empty string or a non-empty list of token ids"
+
+# error codes of the 400s a request valid by the schema can still get: limits of the served model or of the
+# server's flags, which the schema cannot state (the conformance test allows exactly these)
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # prompt + max_tokens over the model's context length
+TOKEN_ID_OUT_OF_RANGE = "token_id_out_of_range"  # a token id not in the model's vocabulary
+TOO_MANY_PROMPTS = "too_many_prompts"  # more prompts in one request than --max-prompts-per-request
+CHAT_TEMPLATE_ERROR = "chat_template_error"  # the model has no chat template or its template refuses the chat
+DEPLOYMENT_LIMIT_CODES = frozenset(
+    {CONTEXT_LENGTH_EXCEEDED, TOKEN_ID_OUT_OF_RANGE, TOO_MANY_PROMPTS, CHAT_TEMPLATE_ERROR}
+)
 
 
 def random_id(prefix: str) -> str:
@@ -40,6 +64,105 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+# ---- rules on whole fields -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A check on a whole field with the JSON Schema keywords that say the same thing.
+
+    ``check(value, field_name)`` returns the problem (None when the value is fine): the 400 names the field
+    itself (``prompt``, not ``prompt.1``) with that message. ``declare(schema)`` adds the rule to the field's
+    generated JSON Schema, so /openapi.json states what the validator enforces."""
+
+    check: Callable[[Any, str], str | None]
+    declare: Callable[[dict[str, Any]], None]
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> core_schema.CoreSchema:
+        def validate(value: Any, info: core_schema.ValidationInfo) -> Any:
+            problem = self.check(value, info.field_name or "body")
+            if problem is not None:
+                raise PydanticCustomError("value_error", "{problem}", {"problem": problem})
+            return value
+
+        return core_schema.with_info_after_validator_function(validate, handler(source))
+
+    def __get_pydantic_json_schema__(self, schema: core_schema.CoreSchema, handler: Any) -> dict[str, Any]:
+        js = handler(schema)
+        self.declare(js)
+        return js
+
+
+def subschemas(schema: dict[str, Any]) -> list[dict[str, Any]]:
+    """The schema and every schema nested in it through anyOf / oneOf / allOf / items (not through $ref)."""
+    out = [schema]
+    for key in ("anyOf", "oneOf", "allOf"):
+        for s in schema.get(key, []):
+            out += subschemas(s)
+    if isinstance(schema.get("items"), dict):
+        out += subschemas(schema["items"])
+    return out
+
+
+def _declare_non_empty_ids(schema: dict[str, Any]) -> None:
+    for s in subschemas(schema):
+        kind = s.get("type")
+        if kind == "string":
+            s["minLength"] = 1
+        elif kind == "array":
+            s["minItems"] = 1
+        elif kind == "integer":
+            s["minimum"] = 0
+
+
+def _declare_ids(schema: dict[str, Any]) -> None:
+    for s in subschemas(schema):
+        if s.get("type") == "integer":
+            s["minimum"] = 0
+
+
+def _negative_id(ids: list[Any]) -> str | None:
+    bad = [t for t in ids if isinstance(t, int) and t < 0]
+    return f"token id {bad[0]} is negative: token ids are integers from 0" if bad else None
+
+
+def _prompt_problem(prompt: Any, _: str) -> str | None:
+    if isinstance(prompt, str):
+        return EMPTY_PROMPT if not prompt else None
+    if not prompt:
+        return EMPTY_PROMPT
+    batch = [prompt] if all(isinstance(x, int) for x in prompt) else prompt
+    for p in batch:
+        problem = EMPTY_PROMPT if len(p) == 0 else _negative_id(p) if isinstance(p, list) else None
+        if problem is not None:
+            return problem
+    return None
+
+
+def only(*allowed: Any, hint: str) -> Rule:
+    """The field is declared so that other values get a clear 400 (``hint`` says what to do) instead of being
+    ignored; the schema lists the supported values."""
+
+    def check(value: Any, field: str) -> str | None:
+        return None if value in allowed else f"{field}={json.dumps(value)} is not supported: {hint}"
+
+    def declare(schema: dict[str, Any]) -> None:
+        schema["enum"] = list(allowed)
+
+    return Rule(check, declare)
+
+
+def _text_parts_only(content: Any, _: str) -> str | None:
+    bad = [p.type for p in content if p.type != "text"] if isinstance(content, list) else []
+    return f"only 'text' parts are supported (got {bad[0]!r})" if bad else None
+
+
+def _declare_text_parts(schema: dict[str, Any]) -> None:
+    for s in subschemas(schema):
+        if s.get("type") == "array" and "items" in s:
+            s["items"] = {"allOf": [s["items"], {"properties": {"type": {"const": "text"}}}]}
+
+
 # ---- requests ----------------------------------------------------------------------------------------------
 
 
@@ -55,11 +178,25 @@ def _valid_unicode(text: str) -> str:
     return text
 
 
+def _integral(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 Text = Annotated[str, AfterValidator(_valid_unicode)]
+# strict, but 2.0 is 2 (JSON Schema's integer); put after a Field's bounds so the schema keeps them
+Integral = BeforeValidator(_integral)
+Int = Annotated[int, Integral]
+TokenIds = Annotated[list[Int], Rule(lambda ids, _: _negative_id(ids), _declare_ids)]
+MaxTokens = Annotated[int, Field(ge=1), Integral]  # the upper bound is the model's context (CONTEXT_LENGTH_EXCEEDED)
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+
+
+def example(**body: Any) -> ConfigDict:
+    """A request model's example body (in /openapi.json; Schemathesis sends it first)."""
+    return ConfigDict(json_schema_extra={"examples": [body]})
 
 
 class StreamOptions(_Request):
@@ -68,33 +205,37 @@ class StreamOptions(_Request):
 
 
 class _SamplingFields(_Request):
-    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI names, plus vLLM's top_k/ignore_eos)."""
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI names, plus vLLM's top_k/ignore_eos).
+    The ranges are ``SamplingParams``'s."""
 
     model: Text | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
+    temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=INT64_MAX), Integral] | None = None  # -1 or 0: off
+    seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), Integral] | None = None
     stop: Text | list[Text] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX), Integral]] | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False  # vLLM extension: token_ids / prompt_token_ids on non-streaming choices
-    n: int = 1
+    n: Annotated[Int, only(1, hint="only n=1; send several requests instead")] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
 
 
-CompletionPrompt = Text | list[Text] | list[int] | list[list[int]]
+NO_LOGPROBS = "the dspark server does not compute logprobs; omit 'logprobs'"
+CompletionPrompt = Text | list[Text] | list[Int] | list[list[Int]]
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: CompletionPrompt
-    max_tokens: int | None = COMPLETIONS_DEFAULT_MAX_TOKENS
-    logprobs: int | None = None
-    echo: bool = False
-    best_of: int | None = None
-    suffix: Text | None = None
+    model_config = example(prompt="The capital of France is", max_tokens=8)
+
+    prompt: Annotated[CompletionPrompt, Rule(_prompt_problem, _declare_non_empty_ids)]
+    max_tokens: MaxTokens | None = COMPLETIONS_DEFAULT_MAX_TOKENS
+    logprobs: Annotated[Int | None, only(None, hint=NO_LOGPROBS)] = None
+    echo: Annotated[bool, only(False, hint="omit 'echo'")] = False
+    best_of: Annotated[Int | None, only(None, 1, hint="only 1")] = None
+    suffix: Annotated[Text | None, only(None, "", hint="omit 'suffix'")] = None
 
 
 class TextPart(_Request):
@@ -104,28 +245,71 @@ class TextPart(_Request):
 
 class ChatMessage(_Request):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Text | list[TextPart] | None = None
+    content: Annotated[Text | list[TextPart] | None, Rule(_text_parts_only, _declare_text_parts)] = None
     name: Text | None = None
 
 
+Messages = Annotated[list[ChatMessage], Field(min_length=1)]
+
+
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    model_config = example(messages=[{"role": "user", "content": "Hello!"}], max_tokens=8)
+
+    messages: Messages
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: Annotated[bool, only(False, hint=NO_LOGPROBS)] = False
+    top_logprobs: Annotated[Int | None, only(None, 0, hint=NO_LOGPROBS)] = None
 
 
-class TokenizeRequest(_Request):
+class TokenizeCompletionRequest(_Request):
+    """POST /tokenize of a prompt (special tokens added, as /v1/completions does)."""
+
+    model_config = example(prompt="Hello!")
+
     model: Text | None = None
-    prompt: Text | None = None
-    messages: list[ChatMessage] | None = None
+    prompt: Text
+    messages: None = None  # the other kind: a body with both is refused
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(_Request):
+class TokenizeChatRequest(_Request):
+    """POST /tokenize of a chat, as /v1/chat/completions renders it (the template places special tokens)."""
+
+    model_config = example(messages=[{"role": "user", "content": "Hello!"}])
+
     model: Text | None = None
-    tokens: list[int]
+    messages: Messages
+    prompt: None = None
+    add_special_tokens: bool = False
+
+
+TOKENIZE_KINDS = "give exactly one of 'prompt' (a string) or 'messages' (a chat)"
+
+
+def _tokenize_kind(body: Any) -> str | None:
+    """The branch of a /tokenize body; None (a 400 saying TOKENIZE_KINDS) for both or neither. The tags hold
+    '[' so that error locations drop them, as they drop pydantic's own union tags."""
+    if isinstance(body, TokenizeCompletionRequest | TokenizeChatRequest):
+        return "tokenize[chat]" if isinstance(body, TokenizeChatRequest) else "tokenize[prompt]"
+    if not isinstance(body, dict):
+        return "tokenize[prompt]"  # not an object: that branch says so
+    prompt, messages = body.get("prompt") is not None, body.get("messages") is not None
+    return "tokenize[prompt]" if prompt and not messages else "tokenize[chat]" if messages and not prompt else None
+
+
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag("tokenize[prompt]")]
+    | Annotated[TokenizeChatRequest, Tag("tokenize[chat]")],
+    Discriminator(_tokenize_kind, custom_error_type="tokenize_kind", custom_error_message=TOKENIZE_KINDS),
+]
+
+
+class DetokenizeRequest(_Request):
+    model_config = example(tokens=[10, 11, 12])
+
+    model: Text | None = None
+    tokens: TokenIds
 
 
 # ---- responses ---------------------------------------------------------------------------------------------
@@ -248,6 +432,10 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class VersionResponse(BaseModel):
+    version: str
 
 
 class TokenizeResponse(BaseModel):

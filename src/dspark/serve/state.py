@@ -74,13 +74,16 @@ class ServerState:
         spec = spec_metrics_of(out.spec_metrics, self.engine.K) if out is not None else None
         return ResponseMetrics(speculative_decoding=spec) if spec is not None else None
 
-    async def submit(self, prompts: Sequence[list[int]], params: SamplingParams, prefix: str) -> list[RequestStream]:
-        """One engine request per prompt (ids ``prefix`` or ``prefix-i``); all or none are added."""
+    async def submit(
+        self, prompts: Sequence[list[int]], params: Sequence[SamplingParams], prefix: str
+    ) -> list[RequestStream]:
+        """One engine request per prompt, with its own params (ids ``prefix`` or ``prefix-i``); all or none are
+        added."""
         streams: list[RequestStream] = []
         try:
-            for i, ids in enumerate(prompts):
+            for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
                 rid = prefix if len(prompts) == 1 else f"{prefix}-{i}"
-                streams.append(await self.async_engine.add(ids, params, rid))
+                streams.append(await self.async_engine.add(ids, p, rid))
         except BaseException:
             for s in streams:
                 s.abort()

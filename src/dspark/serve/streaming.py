@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -82,6 +83,28 @@ async def wait_final(streams: Sequence[RequestStream], request: Request) -> list
             task.cancel()
         for s in streams:
             s.abort()  # no-op for finished ones
+
+
+def event_stream_of(chunk: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI 200 response of a route that streams with ``stream: true``: its JSON body (the route's
+    response model) or server-sent events. Before OpenAPI 3.2 the ``schema`` of text/event-stream describes one
+    event (``data``, and the optional ``event`` / ``id`` / ``retry`` fields); ``data`` is one ``chunk`` JSON object,
+    an error object (an error after the stream started), or ``[DONE]``, the last event."""
+    data = f"One {chunk.__name__} JSON object, an ErrorResponse JSON object, or '[DONE]' (the last event)."
+    event = {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {"type": "string", "description": data},
+            "event": {"type": "string"},
+            "id": {"type": "string"},
+            "retry": {"type": "integer"},
+        },
+    }
+    return {
+        "description": "The response object, or with stream: true a stream of server-sent events.",
+        "content": {"text/event-stream": {"schema": event}},
+    }
 
 
 def streaming_response(events: AsyncIterator[str], streams: Sequence[RequestStream]) -> StreamingResponse:

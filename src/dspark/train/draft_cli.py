@@ -264,3 +264,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_draft_data(sub)
     add_prepare_features(sub)
     add_chat_data(sub)
+    from dspark.train.sharegpt import add_parser as add_sharegpt_data
+
+    add_sharegpt_data(sub)

@@ -210,6 +210,69 @@ def build_tokenizer_and_data(corpus_dir: str | Path, out_dir: str | Path, vocab_
     return result
 
 
+TINY_VOCAB_SIZE = 512
+TINY_TRAIN_BYTES = 300_000
+TINY_VALIDATION_BYTES = 30_000
+
+
+def build_tiny_data(
+    out_dir: str | Path,
+    vocab_size: int = TINY_VOCAB_SIZE,
+    train_bytes: int = TINY_TRAIN_BYTES,
+    validation_bytes: int = TINY_VALIDATION_BYTES,
+) -> TokenizedData:
+    """A sub-second stand-in for ``corpus`` + ``tokenizer`` (what ``dspark train-target --tiny`` trains on): the
+    standard library's top-level modules in name order, split as the full corpus splits them, until each split has
+    its bytes; a ``vocab_size`` BPE; train/validation/test ``.npy`` arrays and ``data_manifest.json`` in out_dir."""
+    import sysconfig
+
+    from dspark.train.corpus import CorpusConfig, split_of
+
+    cfg = CorpusConfig()
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    budget = {"train": train_bytes, "validation": validation_bytes, "test": validation_bytes}
+    texts: dict[str, list[str]] = {split: [] for split in SPLITS}
+    for path in sorted(stdlib.glob("*.py")):
+        split = split_of(f"stdlib/{path.name}", cfg)
+        if budget[split] <= 0 or path.stat().st_size > cfg.max_file_bytes:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        texts[split].append(text)
+        budget[split] -= len(text.encode("utf-8"))
+        if all(b <= 0 for b in budget.values()):
+            break
+    for split in ("validation", "test"):  # a split the hash left short borrows the last training file
+        if not texts[split]:
+            texts[split].append(texts["train"][-1])
+    out = Path(out_dir)
+    t0 = time.perf_counter()
+    tok = train_tokenizer(texts["train"], vocab_size=vocab_size)
+    save_tokenizer(tok, out)
+    t1 = time.perf_counter()
+    counts = {}
+    for split in SPLITS:
+        tokens = encode_texts(texts[split], tok)
+        with atomic_write(out / f"{split}.npy") as f:
+            np.save(f, tokens, allow_pickle=False)
+        counts[split] = int(tokens.size)
+    result = TokenizedData(
+        out_dir=str(out),
+        vocab_size=tok.get_vocab_size(),
+        tokens=counts,
+        documents={split: len(texts[split]) for split in SPLITS},
+        bytes={split: sum(len(t.encode("utf-8")) for t in texts[split]) for split in SPLITS},
+        tokenizer_sha256=hashlib.sha256((out / TOKENIZER_FILE).read_bytes()).hexdigest(),
+        train_seconds=round(t1 - t0, 3),
+        encode_seconds=round(time.perf_counter() - t1, 3),
+    )
+    summary = {**asdict(result), "source": f"tiny: top-level modules of {stdlib}"}
+    atomic_write_bytes(out / "data_manifest.json", (json.dumps(summary, indent=2) + "\n").encode("utf-8"))
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Train the BPE tokenizer and encode the corpus splits.")
     parser.add_argument("corpus_dir")

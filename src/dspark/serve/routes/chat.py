@@ -11,7 +11,8 @@ from fastapi.responses import Response
 from dspark.engine.engine import RequestOutput
 from dspark.sampling_params import SamplingParams
 from dspark.serve.async_engine import IncrementalText, RequestStream
-from dspark.serve.inputs import check_length, check_unsupported, encode_chat, sampling_params_of
+from dspark.serve.errors import GENERATION_ERRORS
+from dspark.serve.inputs import check_length, encode_chat, sampling_params_of
 from dspark.serve.protocol import (
     CHAT_DEFAULT_MAX_TOKENS,
     AssistantMessage,
@@ -24,19 +25,22 @@ from dspark.serve.protocol import (
 )
 from dspark.serve.protocol import random_id as new_id
 from dspark.serve.state import ServerState, State
-from dspark.serve.streaming import ClientGone, merged, sse, streaming_response, usage, wait_final
+from dspark.serve.streaming import ClientGone, event_stream_of, merged, sse, streaming_response, usage, wait_final
 
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions")
+@router.post(
+    "/v1/chat/completions",
+    response_model=ChatCompletionResponse,
+    responses={200: event_stream_of(ChatCompletionStreamResponse)} | GENERATION_ERRORS,
+)
 async def chat_completions(req: ChatCompletionRequest, request: Request, state: State):
     state.check_model(req.model)
-    check_unsupported(req)
     ids = await state.off_loop(encode_chat, state.engine, req.messages)
     params = _params(state, req, len(ids))
     rid = new_id("chatcmpl")
-    streams = await state.submit([ids], params, rid)
+    streams = await state.submit([ids], [params], rid)
     if req.stream:
         return streaming_response(_events(state, req, rid, streams[0], params), streams)
     try:

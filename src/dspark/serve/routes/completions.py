@@ -1,4 +1,5 @@
-"""POST /v1/completions: one prompt or a batch, JSON or SSE (``stream: true``)."""
+"""POST /v1/completions: one prompt or a batch, JSON or SSE (``stream: true``). Without max_tokens (null) each
+prompt generates up to what the context leaves after it."""
 
 from __future__ import annotations
 
@@ -10,20 +11,23 @@ from fastapi.responses import Response
 from dspark.engine.engine import RequestOutput
 from dspark.sampling_params import SamplingParams
 from dspark.serve.async_engine import IncrementalText, RequestStream
-from dspark.serve.errors import APIError
-from dspark.serve.inputs import check_length, check_unsupported, encode_completion_prompts, sampling_params_of
+from dspark.serve.errors import GENERATION_ERRORS
+from dspark.serve.inputs import check_length, encode_completion_prompts, sampling_params_of
 from dspark.serve.protocol import CompletionChoice, CompletionRequest, CompletionResponse, CompletionStreamResponse
 from dspark.serve.protocol import random_id as new_id
 from dspark.serve.state import ServerState, State
-from dspark.serve.streaming import ClientGone, merged, sse, streaming_response, usage, wait_final
+from dspark.serve.streaming import ClientGone, event_stream_of, merged, sse, streaming_response, usage, wait_final
 
 router = APIRouter()
 
 
-@router.post("/v1/completions")
+@router.post(
+    "/v1/completions",
+    response_model=CompletionResponse,
+    responses={200: event_stream_of(CompletionStreamResponse)} | GENERATION_ERRORS,
+)
 async def completions(req: CompletionRequest, request: Request, state: State):
     state.check_model(req.model)
-    check_unsupported(req)
     engine = state.engine
     prompts = await state.off_loop(encode_completion_prompts, engine, req.prompt, state.config.max_prompts_per_request)
     params = _params(state, req, prompts)
@@ -38,14 +42,13 @@ async def completions(req: CompletionRequest, request: Request, state: State):
     return _response(state, req, rid, finals, [len(p) for p in prompts])
 
 
-def _params(state: ServerState, req: CompletionRequest, prompts: list[list[int]]) -> SamplingParams:
+def _params(state: ServerState, req: CompletionRequest, prompts: list[list[int]]) -> list[SamplingParams]:
+    """One per prompt: with max_tokens null, prompts of different lengths get different budgets."""
     limit = state.engine.max_model_len
     outs_max = [req.max_tokens if req.max_tokens is not None else max(1, limit - len(p)) for p in prompts]
     for p, m in zip(prompts, outs_max):
         check_length(state.engine, len(p), m, "prompt")
-    if len(set(outs_max)) != 1:  # max_tokens=null with prompts of different lengths
-        raise APIError(400, "give max_tokens when sending several prompts", param="max_tokens")
-    return sampling_params_of(req, outs_max[0])
+    return [sampling_params_of(req, m) for m in outs_max]
 
 
 def _response(
@@ -70,11 +73,11 @@ def _response(
 
 
 async def _events(
-    state: ServerState, req: CompletionRequest, rid: str, streams: list[RequestStream], params: SamplingParams
+    state: ServerState, req: CompletionRequest, rid: str, streams: list[RequestStream], params: list[SamplingParams]
 ) -> AsyncIterator[str]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     continuous = include_usage and bool(req.stream_options and req.stream_options.continuous_usage_stats)
-    texts = [IncrementalText(params.stop) for _ in streams]
+    texts = [IncrementalText(p.stop) for p in params]
     last: list[RequestOutput | None] = [None] * len(streams)
     lens = [s.num_prompt_tokens for s in streams]
     single = len(streams) == 1

@@ -1,0 +1,736 @@
+// dspark's native CPU kernels, compiled for the running machine by dspark/native/__init__.py.
+//
+// quant_linear: y[M, N] = x[M, K] · W[N, K]ᵀ (+ bias), W kept as the GGUF file stores it: each row K/32 blocks of
+//   Q4_0  d f16 | 16 bytes        value = d·(q − 8)      q = low nibble of byte j (value j), high nibble (value j+16)
+//   Q4_1  d f16 | m f16 | 16 bytes value = d·q + m
+//   Q8_0  d f16 | 32 int8         value = d·q
+// Two arithmetics:
+//   exact (int8 = false): each block dequantized in registers with the reference's roundings (d·q then + m; the
+//     build uses -ffp-contract=off, so no multiply-add is fused behind our back), then fp32 FMAs with the fp32
+//     activations: F.linear over the dequantized weight, up to the order of the sums.
+//   int8 (int8 = true, llama.cpp's arithmetic): each activation row quantized per block of 32 to int8 (scale
+//     max|x|/127, round to nearest even) and integer block dot products: Σ w·x ≈ d_w·d_x·Σ q_w·q_x + (offset term),
+//     the offset term over exact fp32 block sums of x (Q4_1: m·Σx; Q4_0: −8·d·Σx).
+// Code paths, chosen at compile time from the -march=native macros:
+//   exact: AVX-512F (a Q4 block's 16 possible values in one register, looked up by nibble) / AVX2+FMA / scalar.
+//   int8:  AVX-512 VNNI (two blocks per 512-bit vpdpbusd; Q8_0 weights flipped to unsigned, w + 128, and 128·Σq_x
+//          subtracted per block) / AVX2 (vpmaddubsw + vpmaddwd; Q8_0 as |w| × sign(x, w)) / scalar.
+// Threads: at::parallel_for over output rows (torch's OpenMP pool: torch.set_num_threads applies).
+//
+// rms_norm / silu_mul: fp32 helpers (fused residual add + RMSNorm; SwiGLU's silu(g)·u).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define DSPARK_VNNI512 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define DSPARK_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t QK = 32;  // values per block
+enum QType : int64_t { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+
+template <int QT>
+constexpr int64_t kBlockBytes = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : 34;
+template <int QT>
+constexpr int64_t kQsOffset = QT == Q4_1 ? 4 : 2;
+
+#if defined(DSPARK_VNNI512)
+constexpr const char* kInt8Path = "avx512-vnni";
+constexpr bool kPairs = true;   // two blocks per 512-bit product
+constexpr bool kQ8Flip = true;  // Q8 weights made unsigned (w + 128), corrected per block
+constexpr int kInt8Tile = 8;    // activation rows per pass over a weight row
+#elif defined(DSPARK_AVX2)
+constexpr const char* kInt8Path = "avx2";
+constexpr bool kPairs = false;
+constexpr bool kQ8Flip = false;
+constexpr int kInt8Tile = 4;
+#else
+constexpr const char* kInt8Path = "scalar";
+constexpr bool kPairs = false;
+constexpr bool kQ8Flip = false;
+constexpr int kInt8Tile = 4;
+#endif
+
+inline float h2f(const uint8_t* p) {  // IEEE half (little-endian bytes) -> float, exact
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0) {
+    const float f = float(mant) * 5.9604644775390625e-08f;  // subnormal (or zero): mant · 2^-24
+    return sign ? -f : f;
+  }
+  bits = exp == 31 ? sign | 0x7F800000u | (mant << 13) : sign | ((exp + 112) << 23) | (mant << 13);
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+#if defined(__AVX2__)
+inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+struct Weights {
+  const uint8_t* blocks;  // [N, row_bytes]
+  const float* bias;      // [N] or null
+  int64_t row_bytes;
+};
+
+// ================================================================================================ exact path
+
+#if defined(__AVX512F__)
+constexpr const char* kExactPath = "avx512";
+constexpr int kExactTile = 8;
+
+template <int QT>
+inline void deq_block(const uint8_t* blk, __m512& lo, __m512& hi) {
+  uint32_t dm;  // d (and Q4_1's m) converted together
+  std::memcpy(&dm, blk, 4);
+  const __m128 dm4 = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm)));
+  const __m512 vd = _mm512_broadcastss_ps(dm4);
+  const uint8_t* q = blk + kQsOffset<QT>;
+  if constexpr (QT == Q8_0) {
+    const __m128i* p = reinterpret_cast<const __m128i*>(q);
+    lo = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p))));
+    hi = _mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1))));
+  } else {
+    // the block's 16 possible values in one register, looked up by nibble (vpermps reads the low 4 index bits)
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 table;
+    if constexpr (QT == Q4_0)
+      table = _mm512_mul_ps(vd, _mm512_sub_ps(iota, _mm512_set1_ps(8.0f)));
+    else
+      table = _mm512_add_ps(_mm512_mul_ps(vd, iota), _mm512_broadcastss_ps(_mm_movehdup_ps(dm4)));
+    const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    lo = _mm512_permutexvar_ps(w, table);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), table);
+  }
+}
+
+template <int MT, int QT>
+inline void row_exact(const uint8_t* row, int64_t nb, const float* x, int64_t K, float* out) {
+  __m512 a0[MT], a1[MT];
+  for (int m = 0; m < MT; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 lo, hi;
+    deq_block<QT>(row + kBlockBytes<QT> * b, lo, hi);
+    for (int m = 0; m < MT; ++m) {
+      const float* xb = x + m * K + QK * b;
+      a0[m] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), a0[m]);
+      a1[m] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), a1[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));
+}
+
+#elif defined(DSPARK_AVX2)
+constexpr const char* kExactPath = "avx2";
+constexpr int kExactTile = 4;
+
+template <int QT>
+inline void deq_block(const uint8_t* blk, __m256 v[4]) {
+  const __m256 vd = _mm256_set1_ps(h2f(blk));
+  const uint8_t* q = blk + kQsOffset<QT>;
+  __m256 f[4];
+  if constexpr (QT == Q8_0) {
+    for (int i = 0; i < 4; ++i)
+      f[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i))));
+  } else {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    const __m256i w0 = _mm256_cvtepu8_epi32(b), w1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+    const __m256i low = _mm256_set1_epi32(15);
+    f[0] = _mm256_cvtepi32_ps(_mm256_and_si256(w0, low));
+    f[1] = _mm256_cvtepi32_ps(_mm256_and_si256(w1, low));
+    f[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(w0, 4));
+    f[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(w1, 4));
+  }
+  const __m256 vm = _mm256_set1_ps(QT == Q4_1 ? h2f(blk + 2) : 0.0f);
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (QT == Q8_0)
+      v[i] = _mm256_mul_ps(vd, f[i]);
+    else if constexpr (QT == Q4_0)
+      v[i] = _mm256_mul_ps(vd, _mm256_sub_ps(f[i], _mm256_set1_ps(8.0f)));
+    else
+      v[i] = _mm256_add_ps(_mm256_mul_ps(vd, f[i]), vm);
+  }
+}
+
+template <int MT, int QT>
+inline void row_exact(const uint8_t* row, int64_t nb, const float* x, int64_t K, float* out) {
+  __m256 a0[MT], a1[MT];
+  for (int m = 0; m < MT; ++m) a0[m] = a1[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256 v[4];
+    deq_block<QT>(row + kBlockBytes<QT> * b, v);
+    for (int m = 0; m < MT; ++m) {
+      const float* xb = x + m * K + QK * b;
+      a0[m] = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xb), a0[m]);
+      a1[m] = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), a1[m]);
+      a0[m] = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), a0[m]);
+      a1[m] = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), a1[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) out[m] = hsum256(_mm256_add_ps(a0[m], a1[m]));
+}
+
+#else
+constexpr const char* kExactPath = "scalar";
+constexpr int kExactTile = 4;
+
+template <int MT, int QT>
+inline void row_exact(const uint8_t* row, int64_t nb, const float* x, int64_t K, float* out) {
+  float v[QK];
+  for (int m = 0; m < MT; ++m) out[m] = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + kBlockBytes<QT> * b;
+    const uint8_t* q = blk + kQsOffset<QT>;
+    const float d = h2f(blk), mn = QT == Q4_1 ? h2f(blk + 2) : 0.0f;
+    for (int i = 0; i < QK; ++i) {
+      if constexpr (QT == Q8_0) {
+        v[i] = d * float(static_cast<int8_t>(q[i]));
+      } else {
+        const float qi = float(i < 16 ? (q[i] & 0x0F) : (q[i - 16] >> 4));
+        v[i] = QT == Q4_0 ? d * (qi - 8.0f) : d * qi + mn;
+      }
+    }
+    for (int m = 0; m < MT; ++m) {
+      const float* xb = x + m * K + QK * b;
+      float s = 0.0f;
+      for (int i = 0; i < QK; ++i) s += v[i] * xb[i];
+      out[m] += s;
+    }
+  }
+}
+#endif
+
+template <int MT, int QT>
+void rows_exact(const Weights& W, const float* x, int64_t K, int64_t m0, int64_t n0, int64_t n1, float* y,
+                int64_t N) {
+  const int64_t nb = K / QK;
+  float out[MT];
+  for (int64_t n = n0; n < n1; ++n) {
+    row_exact<MT, QT>(W.blocks + n * W.row_bytes, nb, x + m0 * K, K, out);
+    for (int m = 0; m < MT; ++m) y[(m0 + m) * N + n] = W.bias != nullptr ? out[m] + W.bias[n] : out[m];
+  }
+}
+
+template <int QT>
+void tile_exact(int mt, const Weights& W, const float* x, int64_t K, int64_t m0, int64_t n0, int64_t n1, float* y,
+                int64_t N) {
+  switch (mt) {
+    case 1: return rows_exact<1, QT>(W, x, K, m0, n0, n1, y, N);
+    case 2: return rows_exact<2, QT>(W, x, K, m0, n0, n1, y, N);
+    case 3: return rows_exact<3, QT>(W, x, K, m0, n0, n1, y, N);
+    case 4: return rows_exact<4, QT>(W, x, K, m0, n0, n1, y, N);
+#if defined(__AVX512F__)
+    case 5: return rows_exact<5, QT>(W, x, K, m0, n0, n1, y, N);
+    case 6: return rows_exact<6, QT>(W, x, K, m0, n0, n1, y, N);
+    case 7: return rows_exact<7, QT>(W, x, K, m0, n0, n1, y, N);
+    case 8: return rows_exact<8, QT>(W, x, K, m0, n0, n1, y, N);
+#endif
+    default: TORCH_CHECK(false, "dspark quant_linear: bad tile ", mt);
+  }
+}
+
+template <int QT>
+void run_exact(const Weights& W, const float* x, int64_t M, int64_t K, int64_t N, float* y) {
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < M; m0 += kExactTile) {
+      tile_exact<QT>(static_cast<int>(std::min<int64_t>(kExactTile, M - m0)), W, x, K, m0, n0, n1, y, N);
+    }
+  });
+}
+
+// ================================================================================================ int8 path
+
+// One block of 32 floats -> 32 int8 (natural order), its scale, the sum of its int8 values and of its floats.
+inline void quantize_block(const float* x, int8_t* q, float& d, int32_t& isum, float& fsum) {
+#if defined(DSPARK_AVX2) || defined(DSPARK_VNNI512)
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4];
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 8 * i);
+  __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                            _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float amax = _mm_cvtss_f32(m4);
+  d = amax / 127.0f;
+  const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  __m256i qi[4];
+  __m256 fs = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));  // round to nearest even
+    fs = _mm256_add_ps(fs, v[i]);
+  }
+  __m256i is = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+  __m128i is4 = _mm_add_epi32(_mm256_castsi256_si128(is), _mm256_extracti128_si256(is, 1));
+  is4 = _mm_add_epi32(is4, _mm_shuffle_epi32(is4, 0x4E));
+  is4 = _mm_add_epi32(is4, _mm_shuffle_epi32(is4, 0xB1));
+  isum = _mm_cvtsi128_si32(is4);
+  fsum = hsum256(fs);
+  // int32 -> int8: the packs interleave 128-bit lanes, the permute restores the order
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
+  float amax = 0.0f, s = 0.0f;
+  for (int i = 0; i < QK; ++i) {
+    amax = std::max(amax, std::fabs(x[i]));
+    s += x[i];
+  }
+  d = amax / 127.0f;
+  const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+  int32_t is = 0;
+  for (int i = 0; i < QK; ++i) {
+    const int v = static_cast<int>(std::nearbyint(x[i] * id));
+    q[i] = static_cast<int8_t>(v);
+    is += v;
+  }
+  isum = is;
+  fsum = s;
+#endif
+}
+
+// The quantized activation rows in the order the kernels read them.
+struct Act {
+  int64_t nb = 0;
+  std::vector<int8_t> q;   // [M, nb·32]; Q4 on the pair path, per block pair: [b lo16 | b+1 lo16 | b hi16 | b+1 hi16]
+  std::vector<float> d;    // [M, nb] block scales
+  std::vector<float> t;    // [M, nb] the offset term's activation factor (Q4_1 Σx, Q4_0 −8Σx, Q8 flip −128·d·Σq)
+  std::vector<float> pat;  // [M, nb/2, 16] pair path: each lane's activation scale
+  const int8_t* qrow(int64_t m) const { return q.data() + m * nb * QK; }
+  const float* drow(int64_t m) const { return d.data() + m * nb; }
+  const float* trow(int64_t m) const { return t.data() + m * nb; }
+  const float* prow(int64_t m) const { return pat.data() + m * (nb / 2) * 16; }
+};
+
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t qtype, Act& a) {
+  const int64_t nb = K / QK, np = kPairs ? nb / 2 : 0;
+  a.nb = nb;
+  a.q.resize(M * K);
+  a.d.resize(M * nb);
+  a.t.resize(M * nb);
+  a.pat.resize(M * np * 16);
+  const bool q4 = qtype != Q8_0;
+  int8_t tmp[QK];
+  for (int64_t m = 0; m < M; ++m) {
+    int8_t* qr = a.q.data() + m * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      float d, fsum;
+      int32_t isum;
+      quantize_block(x + m * K + b * QK, tmp, d, isum, fsum);
+      a.d[m * nb + b] = d;
+      a.t[m * nb + b] = qtype == Q4_1 ? fsum : qtype == Q4_0 ? -8.0f * fsum : -128.0f * d * float(isum);
+      if (q4 && kPairs && b < 2 * np) {  // interleave the pair's halves (low nibbles first)
+        int8_t* dst = qr + (b & ~int64_t(1)) * QK + (b & 1) * 16;
+        std::memcpy(dst, tmp, 16);
+        std::memcpy(dst + 32, tmp + 16, 16);
+      } else {
+        std::memcpy(qr + b * QK, tmp, QK);
+      }
+    }
+    for (int64_t p = 0; p < np; ++p) {  // lane scales: Q4 [b×4, b+1×4, b×4, b+1×4], Q8 [b×8, b+1×8]
+      float* dst = a.pat.data() + (m * np + p) * 16;
+      const float d0 = a.d[m * nb + 2 * p], d1 = a.d[m * nb + 2 * p + 1];
+      for (int i = 0; i < 16; ++i) dst[i] = (q4 ? (i / 4) % 2 : i / 8) ? d1 : d0;
+    }
+  }
+}
+
+// Each row kernel computes, for one weight row and MT activation rows, Σ_b d_w·d_x·Σ q_w·q_x plus the offset term.
+template <int QT>
+constexpr bool kOffset = QT != Q8_0 || kQ8Flip;
+
+#if defined(DSPARK_VNNI512)
+template <int MT, int QT>
+inline void row_int8(const uint8_t* row, const Act& a, int64_t m0, float* out) {
+  constexpr int64_t BB = kBlockBytes<QT>, OFF = kQsOffset<QT>;
+  constexpr bool Q8 = QT == Q8_0;
+  const int64_t nb = a.nb, np = nb / 2;
+  const int8_t* aq[MT];
+  const float *ap[MT], *at[MT];
+  __m512 acc[MT];
+  __m128 accc[MT];
+  for (int m = 0; m < MT; ++m) {
+    aq[m] = a.qrow(m0 + m);
+    ap[m] = a.prow(m0 + m);
+    at[m] = a.trow(m0 + m);
+    acc[m] = _mm512_setzero_ps();
+    accc[m] = _mm_setzero_ps();
+  }
+  const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i idx = Q8 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
+                         : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+  for (int64_t p = 0; p < np; ++p) {
+    const uint8_t* b0 = row + 2 * p * BB;
+    const uint8_t* b1 = b0 + BB;
+    __m512i wq;
+    if constexpr (Q8) {
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + OFF));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + OFF));
+      wq = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v0), v1, 1), flip);
+    } else {
+      const __m256i v = _mm256_inserti128_si256(
+          _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + OFF))),
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + OFF)), 1);
+      wq = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), low4);
+    }
+    uint16_t h0, h1;
+    std::memcpy(&h0, b0, 2);
+    std::memcpy(&h1, b1, 2);
+    const __m128 d2 = _mm_cvtph_ps(_mm_insert_epi16(_mm_cvtsi32_si128(h0), h1, 1));  // [d_b, d_b+1, 0, 0]
+    __m128 c2 = d2;
+    if constexpr (QT == Q4_1) {
+      std::memcpy(&h0, b0 + 2, 2);
+      std::memcpy(&h1, b1 + 2, 2);
+      c2 = _mm_cvtph_ps(_mm_insert_epi16(_mm_cvtsi32_si128(h0), h1, 1));  // [m_b, m_b+1, 0, 0]
+    }
+    const __m512 s = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(d2));
+    for (int m = 0; m < MT; ++m) {
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, _mm512_loadu_si512(aq[m] + 64 * p));
+      const __m512 sc = _mm512_mul_ps(s, _mm512_loadu_ps(ap[m] + 16 * p));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc, acc[m]);
+      const __m128 t2 = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(at[m] + 2 * p)));
+      accc[m] = _mm_fmadd_ps(c2, t2, accc[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    out[m] = _mm512_reduce_add_ps(acc[m]) + _mm_cvtss_f32(accc[m]) + _mm_cvtss_f32(_mm_movehdup_ps(accc[m]));
+  }
+  if (nb & 1) {  // the last block of an odd count, in natural order
+    const int64_t b = nb - 1;
+    const uint8_t* blk = row + b * BB;
+    __m256i wq;
+    if constexpr (Q8) {
+      wq = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + OFF)),
+                            _mm256_set1_epi8(static_cast<char>(0x80)));
+    } else {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + OFF));
+      wq = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
+    }
+    const float d = h2f(blk), c = QT == Q4_1 ? h2f(blk + 2) : d;
+    for (int m = 0; m < MT; ++m) {
+      const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq[m] + QK * b));
+      const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wq, av);
+      out[m] += hsum256(_mm256_cvtepi32_ps(dot)) * d * a.drow(m0 + m)[b] + c * at[m][b];
+    }
+  }
+}
+
+#elif defined(DSPARK_AVX2)
+template <int MT, int QT>
+inline void row_int8(const uint8_t* row, const Act& a, int64_t m0, float* out) {
+  constexpr int64_t BB = kBlockBytes<QT>, OFF = kQsOffset<QT>;
+  const int64_t nb = a.nb;
+  const int8_t* aq[MT];
+  const float *ad[MT], *at[MT];
+  __m256 acc[MT];
+  float cs[MT];
+  for (int m = 0; m < MT; ++m) {
+    aq[m] = a.qrow(m0 + m);
+    ad[m] = a.drow(m0 + m);
+    at[m] = a.trow(m0 + m);
+    acc[m] = _mm256_setzero_ps();
+    cs[m] = 0.0f;
+  }
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * BB;
+    __m256i wq, wv;
+    if constexpr (QT == Q8_0) {
+      wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + OFF));
+      wq = _mm256_sign_epi8(wv, wv);  // |w| as unsigned bytes
+    } else {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + OFF));
+      wq = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low4);
+    }
+    const float d = h2f(blk), c = QT == Q4_1 ? h2f(blk + 2) : d;
+    for (int m = 0; m < MT; ++m) {
+      __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq[m] + QK * b));
+      if constexpr (QT == Q8_0) av = _mm256_sign_epi8(av, wv);  // x·sign(w), so |w|·that = w·x
+      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, av), ones);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * ad[m][b]), acc[m]);
+      if constexpr (kOffset<QT>) cs[m] += c * at[m][b];
+    }
+  }
+  for (int m = 0; m < MT; ++m) out[m] = hsum256(acc[m]) + cs[m];
+}
+
+#else
+template <int MT, int QT>
+inline void row_int8(const uint8_t* row, const Act& a, int64_t m0, float* out) {
+  constexpr int64_t BB = kBlockBytes<QT>, OFF = kQsOffset<QT>;
+  const int64_t nb = a.nb;
+  for (int m = 0; m < MT; ++m) out[m] = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * BB;
+    const uint8_t* q = blk + OFF;
+    const float d = h2f(blk), c = QT == Q4_1 ? h2f(blk + 2) : d;
+    for (int m = 0; m < MT; ++m) {
+      const int8_t* x = a.qrow(m0 + m) + QK * b;
+      int32_t s = 0;
+      if constexpr (QT == Q8_0) {
+        for (int i = 0; i < QK; ++i) s += int32_t(static_cast<int8_t>(q[i])) * x[i];
+      } else {
+        for (int i = 0; i < 16; ++i) s += int32_t(q[i] & 0x0F) * x[i] + int32_t(q[i] >> 4) * x[i + 16];
+      }
+      out[m] += float(s) * d * a.drow(m0 + m)[b];
+      if constexpr (kOffset<QT>) out[m] += c * a.trow(m0 + m)[b];
+    }
+  }
+}
+#endif
+
+template <int MT, int QT>
+void rows_int8(const Weights& W, const Act& a, int64_t m0, int64_t n0, int64_t n1, float* y, int64_t N) {
+  float out[MT];
+  for (int64_t n = n0; n < n1; ++n) {
+    row_int8<MT, QT>(W.blocks + n * W.row_bytes, a, m0, out);
+    for (int m = 0; m < MT; ++m) y[(m0 + m) * N + n] = W.bias != nullptr ? out[m] + W.bias[n] : out[m];
+  }
+}
+
+template <int QT>
+void tile_int8(int mt, const Weights& W, const Act& a, int64_t m0, int64_t n0, int64_t n1, float* y, int64_t N) {
+  switch (mt) {
+    case 1: return rows_int8<1, QT>(W, a, m0, n0, n1, y, N);
+    case 2: return rows_int8<2, QT>(W, a, m0, n0, n1, y, N);
+    case 3: return rows_int8<3, QT>(W, a, m0, n0, n1, y, N);
+    case 4: return rows_int8<4, QT>(W, a, m0, n0, n1, y, N);
+#if defined(DSPARK_VNNI512)
+    case 5: return rows_int8<5, QT>(W, a, m0, n0, n1, y, N);
+    case 6: return rows_int8<6, QT>(W, a, m0, n0, n1, y, N);
+    case 7: return rows_int8<7, QT>(W, a, m0, n0, n1, y, N);
+    case 8: return rows_int8<8, QT>(W, a, m0, n0, n1, y, N);
+#endif
+    default: TORCH_CHECK(false, "dspark quant_linear: bad tile ", mt);
+  }
+}
+
+template <int QT>
+void run_int8(const Weights& W, const float* x, int64_t M, int64_t K, int64_t N, float* y) {
+  thread_local Act act;  // reused between calls (the caller's thread quantizes; workers only read)
+  quantize_rows(x, M, K, QT, act);
+  const Act& a = act;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t m0 = 0; m0 < M; m0 += kInt8Tile) {
+      tile_int8<QT>(static_cast<int>(std::min<int64_t>(kInt8Tile, M - m0)), W, a, m0, n0, n1, y, N);
+    }
+  });
+}
+
+// ================================================================================================ entry points
+
+int64_t block_bytes(int64_t qtype) {
+  return qtype == Q4_0 ? kBlockBytes<Q4_0> : qtype == Q4_1 ? kBlockBytes<Q4_1> : kBlockBytes<Q8_0>;
+}
+
+// x [M, K] fp32 (bf16/fp16 converted); blocks uint8 [N, K/32 · block bytes]; bias fp32 [N] or none -> y fp32 [M, N]
+at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& blocks, const std::optional<at::Tensor>& bias,
+                        int64_t qtype, bool int8) {
+  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "dspark quant_linear: unknown qtype ", qtype);
+  TORCH_CHECK(x_in.dim() == 2, "dspark quant_linear: x must be [M, K], got ", x_in.sizes());
+  TORCH_CHECK(x_in.device().is_cpu() && blocks.device().is_cpu(), "dspark quant_linear: CPU tensors only");
+  const at::Tensor x = x_in.scalar_type() == at::kFloat ? x_in.contiguous() : x_in.to(at::kFloat).contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
+  TORCH_CHECK(K % QK == 0, "dspark quant_linear: K = ", K, " is not a multiple of 32");
+  const int64_t row_bytes = K / QK * block_bytes(qtype);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.size(1) == row_bytes &&
+                  blocks.is_contiguous(),
+              "dspark quant_linear: blocks must be contiguous uint8 [N, ", row_bytes, "], got ", blocks.sizes());
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N && bias->is_contiguous(),
+                "dspark quant_linear: bias must be contiguous fp32 [N]");
+    bp = bias->data_ptr<float>();
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const Weights W{blocks.data_ptr<uint8_t>(), bp, row_bytes};
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  if (int8) {
+    if (qtype == Q4_0) run_int8<Q4_0>(W, xp, M, K, N, yp);
+    if (qtype == Q4_1) run_int8<Q4_1>(W, xp, M, K, N, yp);
+    if (qtype == Q8_0) run_int8<Q8_0>(W, xp, M, K, N, yp);
+  } else {
+    if (qtype == Q4_0) run_exact<Q4_0>(W, xp, M, K, N, yp);
+    if (qtype == Q4_1) run_exact<Q4_1>(W, xp, M, K, N, yp);
+    if (qtype == Q8_0) run_exact<Q8_0>(W, xp, M, K, N, yp);
+  }
+  return y;
+}
+
+// blocks uint8 [N, K/32 · block bytes] -> fp32 [N, K], the reference's values (for products of many rows, where a
+// dense GEMM over the dequantized weight beats the block kernels)
+template <int QT>
+void dequantize_rows(const uint8_t* blocks, int64_t row_bytes, int64_t nb, float* out, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = blocks + n * row_bytes;
+    float* o = out + n * nb * QK;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + kBlockBytes<QT> * b;
+#if defined(__AVX512F__)
+      __m512 lo, hi;
+      deq_block<QT>(blk, lo, hi);
+      _mm512_storeu_ps(o + QK * b, lo);
+      _mm512_storeu_ps(o + QK * b + 16, hi);
+#elif defined(DSPARK_AVX2)
+      __m256 v[4];
+      deq_block<QT>(blk, v);
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(o + QK * b + 8 * i, v[i]);
+#else
+      const uint8_t* q = blk + kQsOffset<QT>;
+      const float d = h2f(blk), mn = QT == Q4_1 ? h2f(blk + 2) : 0.0f;
+      for (int i = 0; i < QK; ++i) {
+        if constexpr (QT == Q8_0) {
+          o[QK * b + i] = d * float(static_cast<int8_t>(q[i]));
+        } else {
+          const float qi = float(i < 16 ? (q[i] & 0x0F) : (q[i - 16] >> 4));
+          o[QK * b + i] = QT == Q4_0 ? d * (qi - 8.0f) : d * qi + mn;
+        }
+      }
+#endif
+    }
+  }
+}
+
+at::Tensor dequantize(const at::Tensor& blocks, int64_t qtype, int64_t K) {
+  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "dspark dequantize: unknown qtype ", qtype);
+  TORCH_CHECK(K % QK == 0, "dspark dequantize: K = ", K, " is not a multiple of 32");
+  const int64_t N = blocks.size(0), nb = K / QK, row_bytes = nb * block_bytes(qtype);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.size(1) == row_bytes &&
+                  blocks.is_contiguous() && blocks.device().is_cpu(),
+              "dspark dequantize: blocks must be contiguous CPU uint8 [N, ", row_bytes, "], got ", blocks.sizes());
+  at::Tensor out = at::empty({N, K}, blocks.options().dtype(at::kFloat));
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    if (qtype == Q4_0) dequantize_rows<Q4_0>(bp, row_bytes, nb, op, n0, n1);
+    if (qtype == Q4_1) dequantize_rows<Q4_1>(bp, row_bytes, nb, op, n0, n1);
+    if (qtype == Q8_0) dequantize_rows<Q8_0>(bp, row_bytes, nb, op, n0, n1);
+  });
+  return out;
+}
+
+// ================================================================================================ elementwise
+
+inline float dot_f32(const float* a, const float* b, int64_t n) {
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  if (i < n) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a + i), _mm512_maskz_loadu_ps(k, b + i), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+#elif defined(DSPARK_AVX2)
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float s = hsum256(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+#else
+  float s = 0.0f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+#endif
+}
+
+// x, residual [..., D] fp32 (residual optional); w [D] -> (w · h / rms(h), h) with h = x (+ residual)
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps,
+                                            const std::optional<at::Tensor>& residual) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && w_in.scalar_type() == at::kFloat, "dspark rms_norm: fp32 only");
+  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  const int64_t D = x.size(-1), R = D ? x.numel() / D : 0;
+  TORCH_CHECK(w.numel() == D, "dspark rms_norm: weight has ", w.numel(), " values for rows of ", D);
+  const bool add = residual.has_value();
+  if (add) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == at::kFloat,
+                "dspark rms_norm: residual must match x");
+  }
+  const at::Tensor r = add ? residual->contiguous() : x;
+  at::Tensor h = add ? at::empty(x.sizes(), x.options()) : x;
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>(), *rp = r.data_ptr<float>();
+  float *hp = h.data_ptr<float>(), *yp = y.data_ptr<float>();
+  at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; ++i) {
+      const float* src = xp + i * D;
+      if (add) {
+        float* hr = hp + i * D;
+        const float* rr = rp + i * D;
+        for (int64_t j = 0; j < D; ++j) hr[j] = src[j] + rr[j];
+        src = hr;
+      }
+      const float inv = 1.0f / std::sqrt(dot_f32(src, src, D) / float(D) + float(eps));
+      float* yr = yp + i * D;
+      for (int64_t j = 0; j < D; ++j) yr[j] = wp[j] * (src[j] * inv);
+    }
+  });
+  return {y, h};
+}
+
+// gate_up [..., 2I] fp32 -> silu(gate) · up [..., I]
+at::Tensor silu_mul(const at::Tensor& gu_in) {
+  TORCH_CHECK(gu_in.scalar_type() == at::kFloat, "dspark silu_mul: fp32 only");
+  const at::Tensor gu = gu_in.contiguous();
+  const int64_t I2 = gu.size(-1), I = I2 / 2, R = I2 ? gu.numel() / I2 : 0;
+  TORCH_CHECK(I2 % 2 == 0, "dspark silu_mul: last dim ", I2, " is odd");
+  std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
+  shape.back() = I;
+  at::Tensor y = at::empty(shape, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; ++i) {
+      const float *g = gp + i * I2, *u = g + I;
+      float* o = yp + i * I;
+      for (int64_t j = 0; j < I; ++j) o[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
+    }
+  });
+  return y;
+}
+
+std::string build_info() {
+  return std::string("exact=") + kExactPath + " int8=" + kInt8Path + (kQ8Flip ? "+q8flip" : "");
+}
+
+}  // namespace
+
+TORCH_LIBRARY(dspark_native, lib) {
+  lib.def("quant_linear(Tensor x, Tensor blocks, Tensor? bias, int qtype, bool int8=False) -> Tensor", &quant_linear);
+  lib.def("dequantize(Tensor blocks, int qtype, int K) -> Tensor", &dequantize);
+  lib.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)", &rms_norm);
+  lib.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+  lib.def("build_info() -> str", &build_info);
+}

@@ -1,0 +1,137 @@
+"""GGUF weights served quantized: a tiny Llama written as Q4_0/Q4_1/Q8_0 GGUF, loaded with quantization 'gguf'
+(native kernels, exact fp32 arithmetic), 'gguf-int8', 'none' (the dequantized export) and through the PyTorch
+fallback (DSPARK_NATIVE=0).
+
+Tolerances: 'gguf' logits within 1e-4 of the dense fp32 model's (only the order of the sums differs); the
+fallback's equal them bit for bit; 'gguf-int8' within 5 % of the logit range (int8 activations).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dspark import native
+from dspark.checkpoint.gguf import SOURCE_FILE, export_gguf, gguf_source, read_gguf_blocks
+from dspark.config import ConfigError
+from dspark.models.loading import load_target
+from dspark.models.quantized import QuantLinear
+from gguf_fixtures import VOCAB_SIZE, write_gguf
+
+NATIVE = native.available()  # built (or found) before any test points DSPARK_CACHE elsewhere
+needs_native = pytest.mark.skipif(not NATIVE, reason=f"native kernels: {native.status()}")
+
+# layer 0 all Q4_0 (q|k|v and gate|up fuse), layer 1 Q4_1 with a Q8_0 v (q|k|v stays three products), embedding
+# (the tied lm_head) Q8_0; intermediate 96 = 3 blocks: the odd-block tail of down_proj
+QTYPES = {f"blk.0.{n}.weight": Q.Q4_0 for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up")}
+QTYPES |= {f"blk.1.{n}.weight": Q.Q4_1 for n in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
+QTYPES |= {"blk.1.attn_v.weight": Q.Q8_0, "blk.0.ffn_down.weight": Q.Q8_0, "token_embd.weight": Q.Q8_0}
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+    )
+    src = LlamaForCausalLM(cfg).eval()
+    tmp = tmp_path_factory.mktemp("native-gguf")
+    path = write_gguf(tmp / "tiny-q.gguf", src, "llama", qtypes=QTYPES)
+    return export_gguf(path, out=tmp / "export")
+
+
+def ids() -> torch.Tensor:
+    return torch.randint(0, VOCAB_SIZE, (2, 9), generator=torch.Generator().manual_seed(1))
+
+
+def logits(model, fuse: bool = False) -> torch.Tensor:
+    if fuse:
+        model.fuse_for_inference()
+    with torch.inference_mode():
+        return model(ids()).logits.float()
+
+
+def test_the_export_records_its_gguf_and_blocks_come_back_in_hf_row_order(export):
+    src = gguf_source(export)
+    assert src is not None and src.name == "tiny-q.gguf" and (export / SOURCE_FILE).is_file()
+    blocks = read_gguf_blocks(src)
+    assert blocks["model.layers.0.self_attn.q_proj.weight"].qtype == "Q4_0"
+    assert blocks["model.embed_tokens.weight"].qtype == "Q8_0" and "lm_head.weight" not in blocks
+    dense = load_target(export, "float32")
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"):
+        w = dense.get_parameter(name)  # the export's q/k rows are un-permuted: the blocks must be too
+        assert torch.equal(torch.from_numpy(blocks[name].dequantize()), w.detach())
+
+
+@needs_native
+@pytest.mark.parametrize("fuse", [False, True])
+def test_gguf_serving_matches_the_dense_model(export, fuse):
+    dense = logits(load_target(export, "float32"), fuse)
+    model = load_target(export, "float32", quantization="gguf")
+    quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(quant) == 2 * 7 + 1 and isinstance(model.lm_head, QuantLinear)  # every linear and the tied head
+    assert model.lm_head.qweight.qtype == "Q8_0"
+    got = logits(model, fuse)
+    assert (got - dense).abs().max() <= 1e-4, float((got - dense).abs().max())
+    if fuse:  # layer 0's q|k|v and both layers' gate|up run as one product each; layer 1's mixed q|k|v does not
+        layers = model.model.layers
+        assert layers[0].self_attn.__dict__["_qkv_quant"] is not None
+        assert layers[1].self_attn.__dict__["_qkv_quant"] is None
+        assert all(layer.mlp.__dict__["_gate_up_quant"] is not None for layer in layers)
+
+
+@needs_native
+def test_gguf_int8_stays_near_the_dense_model(export):
+    dense = logits(load_target(export, "float32"))
+    got = logits(load_target(export, "float32", quantization="gguf-int8"), fuse=True)
+    assert (got - dense).abs().max() <= 0.05 * (dense.max() - dense.min())
+
+
+def test_the_fallback_serves_the_export_values_bit_for_bit(export, monkeypatch):
+    monkeypatch.setenv(native.ENV, "0")
+    dense = logits(load_target(export, "float32"))
+    model = load_target(export, "float32", quantization="gguf")
+    assert isinstance(model.lm_head, QuantLinear)
+    assert torch.equal(logits(model, fuse=True), dense)  # fused groups stand aside: the dense path's products
+    bf16 = load_target(export, "bfloat16", quantization="gguf")
+    assert bf16.lm_head.weight.dtype == torch.bfloat16
+    assert torch.equal(logits(bf16), logits(load_target(export, "bfloat16")))
+
+
+def test_auto_picks_gguf_only_for_a_gguf_export_with_kernels(export, tmp_path, monkeypatch):
+    auto = load_target(export, "float32", quantization="auto")
+    assert isinstance(auto.lm_head, QuantLinear) == NATIVE
+    monkeypatch.setenv(native.ENV, "0")
+    assert not isinstance(load_target(export, "float32", quantization="auto").lm_head, QuantLinear)
+    plain = tmp_path / "plain"  # the same directory without its source record: an ordinary HF directory
+    plain.mkdir()
+    for f in export.iterdir():
+        if f.name != SOURCE_FILE:
+            (plain / f.name).symlink_to(f)
+    assert not isinstance(load_target(plain, "float32", quantization="auto").lm_head, QuantLinear)
+    with pytest.raises(ConfigError, match="not the export of a .gguf file"):
+        load_target(plain, "float32", quantization="gguf")
+    with pytest.raises(ConfigError, match="quantization 'q4' is not supported"):
+        load_target(export, "float32", quantization="q4")
+
+
+def test_a_changed_gguf_is_no_longer_a_source(export, tmp_path):
+    src = gguf_source(export)
+    copy = tmp_path / "export"
+    copy.mkdir()
+    rec = (export / SOURCE_FILE).read_text()
+    (copy / SOURCE_FILE).write_text(rec.replace(str(src.stat().st_size), str(src.stat().st_size + 1)))
+    assert gguf_source(copy) is None
