@@ -36,10 +36,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.num_threads is not None:
         set_threads(args.num_threads, "--num-threads")
     from dspark.bench.datasets import HELDOUT
+    from dspark.bench.public_sets import resolve_dataset
     from dspark.bench.speed import BenchConfig, markdown_table, run_bench
 
     cfg = BenchConfig(
-        dataset=args.dataset or str(HELDOUT),
+        dataset=resolve_dataset(args.dataset) if args.dataset else str(HELDOUT),
         model=args.model,
         draft=args.draft,
         dflash_draft=args.dflash_draft,
@@ -91,7 +92,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dataset",
         default=None,
-        help="JSONL prompts, or several comma-separated (one row group each); default: bundled held-out stdlib prompts",
+        help="JSONL prompts, or several comma-separated (one row group each); the public sets by name: code "
+        "(HumanEval), math (GSM8K test), chat (MT-bench); default: bundled held-out stdlib prompts",
     )
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=128)

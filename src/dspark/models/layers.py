@@ -267,6 +267,24 @@ def attention_bias(mask: torch.Tensor) -> torch.Tensor:
     return bias.masked_fill_(~mask, float("-inf"))[:, None]
 
 
+CAUSAL = torch.empty(0, dtype=torch.bool)  # sentinel mask: plain causal self-attention over the block itself
+
+
+def is_reduced_precision() -> bool:
+    """A bf16/fp16 CPU autocast region (training features): the fp32 reference keeps its explicit masks."""
+    return torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") != torch.float32
+
+
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Plain causal attention with grouped KV heads (q [B, H, T, d], k/v [B, n_kv, T, d]) through torch's causal
+    flash kernel: no [T, T] bias is built or read and the hidden upper triangle is skipped (about 3.5× faster than
+    the masked kernel for SmolLM2 at T = 2048, bf16, one thread). Reduced precision only."""
+    H, n_kv = q.shape[1], k.shape[1]
+    if n_kv != H:
+        k, v = k.repeat_interleave(H // n_kv, 1), v.repeat_interleave(H // n_kv, 1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+
+
 def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention with grouped KV heads (GQA; MQA such as absorbed MLA): q [B, H, T, d], k [B, n_kv, S, d],
     v [B, n_kv, S, dv], bias [B, 1, T, S] additive → [B, H, T, dv]; query head h reads KV head h // (H / n_kv).

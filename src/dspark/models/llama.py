@@ -16,13 +16,16 @@ from torch import nn
 
 from dspark.config import GQATargetConfig
 from dspark.models.layers import (
+    CAUSAL,
     DecoderTarget,
     RMSNorm,
     SwiGLU,
     attention_bias,
     causal_mask,
+    causal_sdpa,
     fuse_rows,
     grouped_sdpa,
+    is_reduced_precision,
     no_empty_rows,
     remembered_rows,
     same_dtype,
@@ -128,9 +131,13 @@ class GQAttention(nn.Module, Packable):
             kv = rows if cache is None else cache.update(self.layer_idx, rows)
         with scope("attn.core"):
             S = kv.shape[1]
-            kv, bias = same_dtype(kv, q.dtype), same_dtype(attention_bias(mask), q.dtype)
+            kv = same_dtype(kv, q.dtype)
             k, v = kv.view(B, S, 2, self.num_kv, self.head_dim).unbind(2)  # [B, S, n_kv, hd] each
-            out = grouped_sdpa(q, k.transpose(1, 2), v.transpose(1, 2), bias, self.scale)
+            if mask is CAUSAL:
+                out = causal_sdpa(q, k.transpose(1, 2), v.transpose(1, 2), self.scale)
+            else:
+                bias = same_dtype(attention_bias(mask), q.dtype)
+                out = grouped_sdpa(q, k.transpose(1, 2), v.transpose(1, 2), bias, self.scale)
             return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
@@ -202,8 +209,11 @@ class LlamaTarget(DecoderTarget):
         if positions is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
         with scope("embed"):
-            mask = no_empty_rows(causal_mask(positions, positions) if mask is None else mask)
-            mask = attention_bias(mask).to(self.model.embed_tokens.weight.dtype)  # once for every layer
+            if mask is None and cache is None and is_reduced_precision():
+                mask = CAUSAL  # a whole-sequence prefill (training features): torch's causal kernel, no bias
+            else:
+                mask = no_empty_rows(causal_mask(positions, positions) if mask is None else mask)
+                mask = attention_bias(mask).to(self.model.embed_tokens.weight.dtype)  # once for every layer
             cos2, sin2 = half_rotation_tables(*self.rotary.cos_sin(positions))  # once for every layer
             h = self.model.embed_tokens(input_ids)
         wanted = set(tap_layers)

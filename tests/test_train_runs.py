@@ -1,0 +1,116 @@
+"""A drafter run that accumulates: ``--run NAME`` state under $DSPARK_CACHE/runs, a token-count horizon that can be
+extended, and a run killed mid-step (SIGKILL) that resumes to exactly the weights of an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dspark.models.tiny import write_tiny_pair
+from dspark.train.draft_cli import run_state
+from dspark.train.regenerate import DraftDataset
+from dspark.train.trainer import step_samples, step_tokens, steps_for_tokens
+
+V = 96
+
+
+def write_dataset(out: Path, n: int = 12, seed: int = 0) -> Path:
+    rng = np.random.default_rng(seed)
+    samples = []
+    for _ in range(n):
+        length = int(rng.integers(20, 40))
+        prompt = int(rng.integers(3, 8))
+        samples.append((rng.integers(4, V, length).tolist(), [0] * prompt + [1] * (length - prompt)))
+    out.mkdir(parents=True, exist_ok=True)
+    DraftDataset.from_samples(samples).save(out / "train.npz")
+    return out
+
+
+def test_token_horizon_counts_the_step_batches_tokens(tmp_path: Path) -> None:
+    data = DraftDataset.load(write_dataset(tmp_path / "d") / "train.npz")
+    sizes = np.diff(data.offsets)
+    assert step_tokens(3, 4, data, 42) == int(sizes[step_samples(3, 4, len(data), 42)].sum())
+    budget = sum(step_tokens(s, 4, data, 42) for s in range(7)) - 1  # needs 7 steps, not 6
+    assert steps_for_tokens(budget, 4, data, 42) == 7
+    assert steps_for_tokens(budget + 1, 4, data, 42) == 7
+    assert steps_for_tokens(budget + 2, 4, data, 42) == 8
+    assert steps_for_tokens(1, 4, data, 42) == 1
+
+
+def test_run_name_resumes_or_warm_starts_from_the_shipped_drafter(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
+    fresh = {"target_dir": "smollm2-135m-instruct"}
+    assert run_state("sg", fresh) is False
+    shipped = json.loads((Path(fresh["init_from"]) / "config.json").read_text())
+    assert fresh["out_dir"] == str(tmp_path / "cache" / "runs" / "sg")
+    assert fresh["markov_rank"] == shipped["markov_rank"]
+    assert list(fresh["target_layer_ids"]) == shipped["target_layer_ids"]
+    mine = {"target_dir": "smollm2-135m-instruct", "markov_rank": 8}
+    run_state("sg2", mine)
+    assert mine["markov_rank"] == 8  # a shape flag given by the user wins
+    ckpt = tmp_path / "cache" / "runs" / "sg" / "checkpoint" / "last.pt"
+    ckpt.parent.mkdir(parents=True)
+    ckpt.write_bytes(b"x")
+    again = {"target_dir": "smollm2-135m-instruct"}
+    assert run_state("sg", again) is True and "init_from" not in again
+    with pytest.raises(ValueError, match="--out-dir"):
+        run_state("sg", {"out_dir": "x"})
+    with pytest.raises(ValueError, match="plain path component"):
+        run_state("../x", {})
+
+
+def _train_cmd(target: Path, data: Path, *extra: str) -> list[str]:
+    args = ["train-draft", "--target", str(target), "--data-dir", str(data), "--batch-size", "4"]
+    args += ["--num-anchors", "6", "--markov-rank", "8", "--lr", "3e-3", "--warmup-steps", "1", "--no-autocast"]
+    args += ["--ckpt-interval", "1", "--log-interval", "1", "--num-threads", "1", "--quiet", *extra]
+    return [sys.executable, "-c", "import sys; from dspark.cli import main; sys.exit(main(sys.argv[1:]))", *args]
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run / "checkpoint" / "last.pt", weights_only=True)["trainer"]["model"]
+
+
+def test_a_run_killed_mid_step_resumes_to_the_uninterrupted_weights(tmp_path: Path) -> None:
+    target, _ = write_tiny_pair(tmp_path / "pair", seed=0)
+    data = write_dataset(tmp_path / "data", n=16)
+    env = os.environ | {"DSPARK_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    budget = ["--max-train-tokens", "1500"]
+    straight = subprocess.run(_train_cmd(target, data, "--run", "a", *budget), env=env, capture_output=True, text=True)
+    assert straight.returncode == 0, straight.stderr
+    run_b = tmp_path / "cache" / "runs" / "b"
+    proc = subprocess.Popen(_train_cmd(target, data, "--run", "b", *budget), env=env, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    ckpt = run_b / "checkpoint" / "last.pt"
+    while time.monotonic() < deadline and proc.poll() is None:  # kill once the second checkpoint exists
+        if ckpt.is_file() and torch.load(ckpt, weights_only=True)["trainer"]["step"] >= 2:
+            break
+        time.sleep(0.01)
+    killed = proc.poll() is None
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert killed, "the run finished before it could be killed; give it more steps"
+    stopped_at = torch.load(ckpt, weights_only=True)["trainer"]["step"]
+    resumed = subprocess.run(_train_cmd(target, data, "--run", "b", *budget), env=env, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming" in resumed.stderr
+    a, b = _weights(tmp_path / "cache" / "runs" / "a"), _weights(run_b)
+    state = torch.load(ckpt, weights_only=True)["trainer"]
+    assert state["step"] > stopped_at and state["tokens_seen"] >= 1500
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=0, msg=k)
+    # a larger token budget extends the finished run from where it stopped
+    more = subprocess.run(
+        _train_cmd(target, data, "--run", "b", "--max-train-tokens", "2500"), env=env, capture_output=True, text=True
+    )
+    assert more.returncode == 0, more.stderr
+    extended = torch.load(ckpt, weights_only=True)["trainer"]
+    assert extended["step"] > state["step"] and extended["tokens_seen"] >= 2500
