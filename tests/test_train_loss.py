@@ -215,3 +215,57 @@ def test_shape_errors_name_the_argument() -> None:
         dspark_loss(draft, target[..., :-1], conf, labels, mask)
     with pytest.raises(ValueError, match="eval_mask"):
         dspark_loss(draft, target, conf, labels, mask[:, :1])
+
+
+# ---- forward KL and the reduced draft vocabulary ------------------------------------------------------------------
+
+
+def _inputs(B=2, A=3, K=4, V=11, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    draft = torch.randn(B, A, K, V, generator=g, dtype=torch.float64)
+    target = 2 * torch.randn(B, A, K, V, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, V, (B, A, K), generator=g)
+    mask = torch.ones(B, A, K, dtype=torch.bool)
+    mask[1, 2, 2:] = False
+    return draft, target, labels, mask
+
+
+def test_kl_term_is_the_forward_kl_and_pulls_up_underrated_tokens():
+    draft, target, labels, mask = _inputs()
+    res = dspark_loss(draft, target, None, labels, mask, LossWeights(ce=0, l1=0, confidence=0, kl=1.0))
+    p_t, logp_d = target.softmax(-1), draft.log_softmax(-1)
+    kl = (p_t * (p_t.log() - logp_d)).sum(-1)
+    w = position_weights(4, 4.0).double() * mask
+    assert res.kl.item() == pytest.approx(float((w * kl).sum() / w.sum()), rel=1e-9)
+    d = draft.clone().requires_grad_(True)
+    dspark_loss(d, target, None, labels, mask, LossWeights(ce=0, l1=0, confidence=0, kl=1.0)).loss.backward()
+    expected = (d.detach().softmax(-1) - p_t) * (w / w.sum())[..., None]  # gradient q − p per slot
+    torch.testing.assert_close(d.grad, expected)
+
+
+def test_reduced_vocabulary_over_every_id_equals_the_full_loss():
+    draft, target, labels, mask = _inputs()
+    weights = LossWeights(kl=0.5)
+    full = dspark_loss(draft, target, None, labels, mask, weights)
+    order = torch.randperm(11, generator=torch.Generator().manual_seed(1))
+    same = dspark_loss(draft[..., order], target, None, labels, mask, weights, vocab_ids=order)
+    for name in ("loss", "ce", "l1", "kl", "tau_probabilistic"):
+        torch.testing.assert_close(getattr(same, name), getattr(full, name), msg=name)
+
+
+def test_reduced_vocabulary_acceptance_counts_the_target_mass_outside_it():
+    draft, target, labels, mask = _inputs()
+    ids = torch.tensor([0, 3, 4, 7, 9])
+    small = draft[..., ids]
+    res = dspark_loss(small, target, None, labels, mask, LossWeights(), vocab_ids=ids)
+    q, p = small.softmax(-1), target.softmax(-1)[..., ids]
+    accept = torch.minimum(q, p).sum(-1)  # the exact acceptance of a draft that can only propose the ids
+    torch.testing.assert_close(res.accept_target, torch.where(mask, accept, 0.0))
+    in_vocab = torch.isin(labels, ids) & mask
+    index_of = torch.full((11,), 0, dtype=torch.long)
+    index_of[ids] = torch.arange(5)
+    ce = -small.log_softmax(-1).gather(-1, index_of[labels][..., None])[..., 0]
+    w = position_weights(4, 4.0).double() * mask
+    assert res.ce.item() == pytest.approx(float((w * ce * in_vocab).sum() / w.sum()), rel=1e-9)
+    with pytest.raises(ValueError, match="reduced vocabulary"):
+        dspark_loss(small, target[..., :6], None, labels, mask, vocab_ids=ids)

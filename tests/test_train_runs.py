@@ -114,3 +114,35 @@ def test_a_run_killed_mid_step_resumes_to_the_uninterrupted_weights(tmp_path: Pa
     assert more.returncode == 0, more.stderr
     extended = torch.load(ckpt, weights_only=True)["trainer"]
     assert extended["step"] > state["step"] and extended["tokens_seen"] >= 2500
+
+
+def test_training_over_a_reduced_vocabulary_touches_only_its_rows_and_exports_it(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from dspark.models.tiny import build_tiny_pair
+    from dspark.train.trainer import DraftTrainConfig, train_draft
+
+    torch.manual_seed(0)
+    target, _ = build_tiny_pair(0)
+    data = DraftDataset.load(write_dataset(tmp_path / "d", n=8) / "train.npz")
+    ids = torch.randperm(V, generator=torch.Generator().manual_seed(3))[:40]
+    (tmp_path / "draft_vocab.json").write_text(json.dumps({"token_ids": ids.tolist(), "default_size": 30}))
+    cfg = DraftTrainConfig(
+        max_steps=2, batch_size=4, num_anchors=6, markov_rank=8, lr=3e-3, warmup_steps=1, autocast_bf16=False,
+        feature_dtype="float32", progress=False, ckpt_interval=1, num_threads=1, out_dir=str(tmp_path / "full"),
+    )  # fmt: skip
+    train_draft(replace(cfg, max_steps=0, halt_at_step=0), target=target, train_data=data)
+    before = _weights(tmp_path / "full")
+    res = train_draft(
+        replace(cfg, out_dir=str(tmp_path / "small"), draft_vocab=str(tmp_path / "draft_vocab.json")),
+        target=target,
+        train_data=data,
+    )
+    after = _weights(tmp_path / "small")
+    w2 = next(k for k in after if k.endswith("markov_w2.weight"))
+    chosen = torch.zeros(V, dtype=torch.bool)
+    chosen[ids[:30]] = True
+    assert torch.equal(after[w2][~chosen], before[w2][~chosen])  # rows outside the draft vocabulary never move
+    assert not torch.equal(after[w2][chosen], before[w2][chosen])
+    exported = json.loads((Path(res.export_dir) / "draft_vocab.json").read_text())
+    assert exported["token_ids"] == ids.tolist() and exported["default_size"] == 30

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dspark.models.packing import Linear
@@ -54,18 +55,25 @@ class MarkovHead(nn.Module):
         return torch.tanh(out), g * state + (1 - g) * torch.tanh(cand)
 
     def teacher_forced(
-        self, base_logits: torch.Tensor, hidden: torch.Tensor, prev: torch.Tensor
+        self,
+        base_logits: torch.Tensor,
+        hidden: torch.Tensor,
+        prev: torch.Tensor,
+        vocab_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Parallel path. base_logits [.., K, V], hidden [.., K, D], prev [.., K] → (corrected [.., K, V], W1[prev])."""
+        """Parallel path. base_logits [.., K, V], hidden [.., K, D], prev [.., K] → (corrected [.., K, V], W1[prev]).
+        ``vocab_ids`` [N]: base_logits cover a reduced draft vocabulary; W2's rows of those ids correct them (their
+        gradients reach those rows only)."""
         e = self.markov_w1(prev)
+        w2 = self.markov_w2.weight if vocab_ids is None else self.markov_w2.weight.index_select(0, vocab_ids)
         if self.head_type != "rnn":
             feats, _ = self._mix(e, hidden, None)
-            return base_logits + self.markov_w2(feats).to(base_logits.dtype), e
+            return base_logits + F.linear(feats, w2).to(base_logits.dtype), e
         state = hidden.new_zeros(*hidden.shape[:-2], self.rank)
         biases = []
         for k in range(prev.shape[-1]):
             feats, state = self._mix(e[..., k, :], hidden[..., k, :], state)
-            biases.append(self.markov_w2(feats))
+            biases.append(F.linear(feats, w2))
         return base_logits + torch.stack(biases, -2).to(base_logits.dtype), e
 
     def sample(

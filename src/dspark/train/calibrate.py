@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from dspark.config import DTYPES
+from dspark.cli_common import add_precision_args
 from dspark.engine.engine import Engine
 from dspark.sampling_params import SamplingParams
 from dspark.spec.schedule import calibrate, calibration_report, fit_sts, save_sts, survival
@@ -157,8 +157,16 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     spec_text = default_spec(args, model if demo else None) or json.dumps({"method": "dspark"})
     spec = SpeculativeConfig.parse(spec_text)
     assert spec is not None
-    spec = replace(spec, enable_adaptive_verification=False)  # the full block is verified
-    engine = build_engine(model, spec, dtype=args.dtype, seed=args.seed, max_num_seqs=args.max_num_seqs)
+    # the full block is verified, every step drafts
+    spec = replace(spec, enable_adaptive_verification=False, speculation_guard=False)
+    engine = build_engine(
+        model,
+        spec,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        seed=args.seed,
+        max_num_seqs=args.max_num_seqs,
+    )
     prompts = load_prompts(args.dataset, args.num_prompts, getattr(engine.tokenizer, "apply_chat_template", None))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)  # per-request seeds
     print(
@@ -211,5 +219,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bins", type=int, default=20, help="ECE bins (default 20)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=16, help="decode batch size")
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    add_precision_args(p)
     p.set_defaults(func=cmd_calibrate, no_spec=False)

@@ -215,12 +215,15 @@ _TRAIN_FLAGS = {
     "--seed": ("seed", int, "seed (42)"),
     "--eval-interval": ("eval_interval", int, "steps between held-out evaluations (200)"),
     "--eval-max-samples": ("eval_max_samples", int, "cap on held-out samples"),
+    "--eval-num-anchors": ("eval_num_anchors", int, "anchors per held-out sample (512)"),
     "--eval-depth-edges": ("eval_depth_edges", int_list, "held-out τ per anchor-depth bucket (256,1024,4096,16384)"),
     "--feature-chunk": ("feature_chunk", int, "online features: run the target N tokens at a time (bounded memory)"),
     "--ckpt-interval": ("ckpt_interval", int, "steps between checkpoints (200)"),
     "--log-interval": ("log_interval", int, "steps between log lines (10)"),
     "--halt-at-step": ("halt_at_step", int, "stop after this step without exporting (as if interrupted)"),
     "--num-threads": ("num_threads", int, "torch threads per process"),
+    "--draft-vocab": ("draft_vocab", str, "train over a reduced vocabulary: a draft_vocab.json or a dir with one"),
+    "--draft-vocab-size": ("draft_vocab_size", int, "its first N ids (default: the file's default_size)"),
     "--init-from": ("init_from", str, "warm start from an earlier run (its out dir, last.pt or export dir)"),
 }
 

@@ -12,6 +12,11 @@ With w_k = exp(-k / decay_gamma) (k 0-based) times eval_mask and W = sum of w (o
                                                                          logits, so under-rated tokens move too)
     L      = ce * L_ce + l1 * L_l1 + confidence * L_conf + kl * L_kl
 
+Reduced draft vocabulary (``vocab_ids`` [N], what the engine drafts from): the draft logits cover those N ids
+only; the target's full distribution is folded onto them plus one "other" bucket holding its mass outside them,
+which the drafter can never propose. Then ||p_d − p_t||_1 = Σ_S |p_d − p_t| + p_t(other), so c* is the exact
+acceptance of a draft restricted to S; the KL term uses p_t renormalised over S, and CE counts only labels in S.
+
 The [.., V] work runs in fp32 (fp64 if the logits are fp64) over chunks of blocks. When the logits
 are large and need gradients, each chunk is recomputed in backward (activation checkpointing), so
 only one chunk's softmax temporaries are alive at a time instead of several full [B, A, K, V] tensors.
@@ -70,48 +75,70 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _slot_terms(draft: Tensor, target: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """draft [N, K, V], target [N, K, V], labels [N, K] -> (CE, ||p_d - p_t||_1, KL(p_t || p_d)), each [N, K],
-    fp32/fp64."""
+def _slot_terms(
+    draft: Tensor, target: Tensor, labels: Tensor, vocab_ids: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """draft [N, K, V'] (V' = V, or the reduced vocabulary's size), target [N, K, V], labels [N, K] (indices
+    into the draft's V') -> (CE, ||p_d - p_t||_1, KL(p_t || p_d)), each [N, K], fp32/fp64."""
     dtype = _compute_dtype(draft)
     logp_d = torch.log_softmax(draft.to(dtype), dim=-1)
     ce = -torch.gather(logp_d, -1, labels.unsqueeze(-1)).squeeze(-1)
     logp_t = torch.log_softmax(target.to(dtype), dim=-1)
-    p_t = logp_t.exp()
+    other = None
+    if vocab_ids is not None:
+        logp_t = logp_t.index_select(-1, vocab_ids)  # the target's mass on the draft ids ...
+        mass = logp_t.exp().sum(-1, keepdim=True)
+        other = (1.0 - mass).clamp_min(0.0).squeeze(-1)  # ... and outside them
+        logp_t = logp_t - mass.clamp_min(_EPS).log()  # renormalised over the draft ids, for the KL term
+        p_t = logp_t.exp() * mass
+    else:
+        p_t = logp_t.exp()
     l1 = (logp_d.exp() - p_t).abs().sum(dim=-1)
+    if other is not None:
+        l1 = l1 + other
+        p_t = logp_t.exp()
     kl = (p_t * (logp_t - logp_d)).sum(dim=-1)
     return ce, l1, kl
 
 
 def _all_slot_terms(
-    draft: Tensor, target: Tensor, labels: Tensor, max_chunk_elements: int
+    draft: Tensor, target: Tensor, labels: Tensor, max_chunk_elements: int, vocab_ids: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Flattened [N, K, V] inputs -> (CE, L1, KL), each [N, K]; chunked + checkpointed when large."""
-    N, K, V = draft.shape
-    if draft.numel() <= max_chunk_elements:
-        return _slot_terms(draft, target, labels)
+    N, K, V = target.shape
+    if target.numel() <= max_chunk_elements:
+        return _slot_terms(draft, target, labels, vocab_ids)
     rows = max(1, max_chunk_elements // (K * V))
     recompute = torch.is_grad_enabled() and (draft.requires_grad or target.requires_grad)
     parts: list[tuple[Tensor, Tensor, Tensor]] = []
     # split (not slicing) so that backward concatenates the chunk gradients once.
     for d, t, y in zip(draft.split(rows), target.split(rows), labels.split(rows)):
         if recompute:
-            parts.append(checkpoint(_slot_terms, d, t, y, use_reentrant=False))
+            parts.append(checkpoint(_slot_terms, d, t, y, vocab_ids, use_reentrant=False))
         else:
-            parts.append(_slot_terms(d, t, y))
+            parts.append(_slot_terms(d, t, y, vocab_ids))
     ce, l1, kl = (torch.cat(x) for x in zip(*parts))
     return ce, l1, kl
 
 
 def _check_shapes(
-    draft_logits: Tensor, target_logits: Tensor, conf_logits: Tensor | None, labels: Tensor, eval_mask: Tensor
+    draft_logits: Tensor,
+    target_logits: Tensor,
+    conf_logits: Tensor | None,
+    labels: Tensor,
+    eval_mask: Tensor,
+    vocab_ids: Tensor | None = None,
 ) -> None:
     if draft_logits.dim() != 4:
         raise ValueError(f"draft_logits must be [B, A, K, V], got shape {tuple(draft_logits.shape)}")
-    if target_logits.shape != draft_logits.shape:
+    want = draft_logits.shape if vocab_ids is None else (*draft_logits.shape[:-1], target_logits.shape[-1])
+    bad_ids = vocab_ids is not None and (
+        vocab_ids.shape != draft_logits.shape[-1:] or int(vocab_ids.max()) >= target_logits.shape[-1]
+    )
+    if target_logits.shape != want or bad_ids:
         raise ValueError(
-            f"target_logits shape {tuple(target_logits.shape)} must equal "
-            f"draft_logits shape {tuple(draft_logits.shape)}"
+            f"target_logits shape {tuple(target_logits.shape)} must equal draft_logits shape "
+            f"{tuple(draft_logits.shape)} (with a reduced vocabulary: [B, A, K, V] over vocab_ids [N], draft N)"
         )
     slots = draft_logits.shape[:-1]
     named = {"labels": labels, "eval_mask": eval_mask}
@@ -132,28 +159,39 @@ def dspark_loss(
     *,
     denominator: Tensor | float | None = None,
     max_chunk_elements: int = DEFAULT_MAX_CHUNK_ELEMENTS,
+    vocab_ids: Tensor | None = None,
 ) -> DSparkLoss:
     """DSpark loss of teacher-forced block drafts.
 
     draft_logits [B, A, K, V] (Markov-corrected), target_logits [B, A, K, V] (target's next-token logits
     at the same prefixes), conf_logits [B, A, K] or None, labels [B, A, K] long, eval_mask [B, A, K] bool.
-    ``denominator`` replaces sum(w) (e.g. the all-reduced global sum under DDP).
+    ``denominator`` replaces sum(w) (e.g. the all-reduced global sum under DDP). ``vocab_ids`` [N]: the draft
+    logits cover these target ids only (draft_logits [B, A, K, N]; labels stay target ids; see the module notes).
     """
     weights = weights or LossWeights()
-    _check_shapes(draft_logits, target_logits, conf_logits, labels, eval_mask)
-    B, A, K, V = draft_logits.shape
+    _check_shapes(draft_logits, target_logits, conf_logits, labels, eval_mask, vocab_ids)
+    B, A, K, N = draft_logits.shape
+    V = target_logits.shape[-1]
     device = draft_logits.device
     mask = eval_mask.bool()
     safe_labels = torch.where(mask, labels.long(), 0)  # unsupervised labels may be -100 or junk
+    ce_mask = mask
+    if vocab_ids is not None:  # labels as draft indices; CE only where the label is a draft id
+        index_of = torch.full((V,), -1, dtype=torch.long, device=device)
+        index_of[vocab_ids] = torch.arange(N, device=device)
+        safe_labels = index_of[safe_labels]
+        ce_mask = mask & (safe_labels >= 0)
+        safe_labels = safe_labels.clamp_min(0)
 
     ce, l1, kl = _all_slot_terms(
-        draft_logits.reshape(B * A, K, V),
+        draft_logits.reshape(B * A, K, N),
         target_logits.reshape(B * A, K, V),
         safe_labels.reshape(B * A, K),
         max_chunk_elements,
+        vocab_ids,
     )
     # where (not multiply) so that non-finite values in unsupervised slots cannot reach the sums.
-    ce = torch.where(mask, ce.view(B, A, K), 0.0)
+    ce = torch.where(ce_mask, ce.view(B, A, K), 0.0)
     l1 = torch.where(mask, l1.view(B, A, K), 0.0)
     kl = torch.where(mask, kl.view(B, A, K), 0.0)
 

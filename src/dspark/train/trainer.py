@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from dspark.config import POSITION_KEYS, DraftConfig, GQATargetConfig, KimiLinearConfig, TargetConfig
@@ -169,6 +170,10 @@ class DraftTrainConfig:
     mask_token_id: int = MASK_ID
     intermediate_size: int | None = None  # None: the target's
     init_std: float = 0.02
+    # train over a reduced draft vocabulary (what the engine drafts from): a draft_vocab.json, or a drafter dir with
+    # one; its default_size ids unless draft_vocab_size is given. None: the full vocabulary
+    draft_vocab: str | None = None
+    draft_vocab_size: int | None = None
     # loss
     ce_weight: float = 0.1
     l1_weight: float = 0.9
@@ -483,10 +488,15 @@ def _with_prompt_anchors(
 class BlockForward(nn.Module):
     """The drafter's training forward over packed blocks (the module DDP wraps)."""
 
-    def __init__(self, drafter: DSparkDrafter, absorbed: bool = True) -> None:
+    def __init__(self, drafter: DSparkDrafter, absorbed: bool = True, vocab_ids: torch.Tensor | None = None) -> None:
         super().__init__()
         self.drafter = drafter
         self.absorbed = absorbed
+        self.vocab_ids = vocab_ids  # [N] a reduced draft vocabulary: logits over these target ids only
+        self.head_rows = None  # the (frozen) lm_head's rows of those ids, sliced once
+        if vocab_ids is not None:
+            assert drafter.lm_head is not None
+            self.head_rows = drafter.lm_head.weight.detach().index_select(0, vocab_ids)
 
     def forward(
         self,
@@ -497,7 +507,7 @@ class BlockForward(nn.Module):
         taps: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """block_ids/labels [B, A, K], anchors/keep [B, A], taps [B, S, m·D] → (teacher-forced, Markov-corrected
-        draft logits fp32 [B, A, K, V], confidence logits [B, A, K] or None)."""
+        draft logits fp32 [B, A, K, V] (V: N with a reduced vocabulary), confidence logits [B, A, K] or None)."""
         B, A, K = block_ids.shape
         S = taps.shape[1]
         d = self.drafter
@@ -509,15 +519,31 @@ class BlockForward(nn.Module):
             ctx_taps=taps,
             ctx_positions=ctx_positions,
             absorbed=self.absorbed,
+            compute_logits=self.head_rows is None,
         )
-        assert out.base_logits is not None
-        logits = out.base_logits.view(B, A, K, -1)
+        base = out.base_logits if self.head_rows is None else F.linear(out.hidden, self.head_rows).float()
+        assert base is not None
+        logits = base.view(B, A, K, -1)
         hidden = out.hidden.view(B, A, K, -1)
         prev_embeds = None
         if d.markov_head is not None:
             prev = torch.cat((block_ids[..., :1], labels[..., :-1]), -1)  # [anchor, labels[:-1]]
-            logits, prev_embeds = d.markov_head.teacher_forced(logits, hidden, prev)
+            logits, prev_embeds = d.markov_head.teacher_forced(logits, hidden, prev, self.vocab_ids)
         return logits.float(), d.confidence(hidden, prev_embeds)
+
+
+def train_vocab_ids(cfg: DraftTrainConfig, vocab_size: int) -> torch.Tensor | None:
+    """The reduced draft vocabulary a run trains over (cfg.draft_vocab), or None for the full vocabulary."""
+    from dspark.spec.draft_vocab import read_draft_vocab
+
+    if cfg.draft_vocab is None:
+        return None
+    src = Path(cfg.draft_vocab)
+    if not src.exists():
+        raise FileNotFoundError(f"--draft-vocab {src}: no such draft_vocab.json or drafter directory")
+    if not src.is_dir() and src.name != "draft_vocab.json":
+        raise ValueError(f"--draft-vocab {src}: give a draft_vocab.json file or the directory that holds one")
+    return read_draft_vocab(src if src.is_dir() else src.parent, cfg.draft_vocab_size, vocab_size)
 
 
 def init_drafter_(drafter: DSparkDrafter, std: float, generator: torch.Generator) -> None:
@@ -649,7 +675,8 @@ class DraftTrainer(TrainLoop[tuple["MetricSums", float]]):
         self.draft_cfg = self.drafter.config
         self.K = cfg.block_size
         self.weights = cfg.loss_weights
-        self.block_forward = BlockForward(self.drafter, cfg.absorbed)
+        self.vocab_ids = train_vocab_ids(cfg, self.draft_cfg.vocab_size)
+        self.block_forward = BlockForward(self.drafter, cfg.absorbed, self.vocab_ids)
         self.module: nn.Module = self.block_forward
         if self.dist.enabled:
             self.module = nn.parallel.DistributedDataParallel(self.block_forward)
@@ -729,6 +756,7 @@ class DraftTrainer(TrainLoop[tuple["MetricSums", float]]):
             self.weights,
             denominator=denominator,
             max_chunk_elements=self.cfg.loss_chunk_elements,
+            vocab_ids=self.vocab_ids,
         )
 
     def _weight_sum(self, batch: BlockBatch) -> torch.Tensor:
@@ -886,6 +914,13 @@ class DraftTrainer(TrainLoop[tuple["MetricSums", float]]):
 
         export = Path(self.cfg.out_dir) / EXPORT_DIR
         save_drafter(self.drafter, export, dtype=self.cfg.export_dtype)
+        if self.vocab_ids is not None:  # the engine drafts from the ids it was trained on
+            from dspark.spec.draft_vocab import DRAFT_VOCAB_FILE
+
+            src = Path(self.cfg.draft_vocab or "")
+            src = src / DRAFT_VOCAB_FILE if src.is_dir() else src
+            vocab = json.loads(src.read_text()) | {"default_size": int(self.vocab_ids.numel())}
+            (export / DRAFT_VOCAB_FILE).write_text(json.dumps(vocab) + "\n")
         log = {
             "steps": self.step,
             "max_steps": self.max_steps,
