@@ -146,3 +146,24 @@ def test_training_over_a_reduced_vocabulary_touches_only_its_rows_and_exports_it
     assert not torch.equal(after[w2][chosen], before[w2][chosen])
     exported = json.loads((Path(res.export_dir) / "draft_vocab.json").read_text())
     assert exported["token_ids"] == ids.tolist() and exported["default_size"] == 30
+
+
+def test_drafter_layers_can_start_from_target_layers() -> None:
+    from dspark.models.tiny import build_tiny_pair
+    from dspark.train.trainer import DraftTrainConfig, build_drafter
+
+    torch.manual_seed(0)
+    target, _ = build_tiny_pair(0)
+    L = target.config.num_hidden_layers
+    cfg = DraftTrainConfig(max_steps=1, num_layers=2, markov_rank=8, init_layers_from_target=(L - 2, L - 1))
+    drafter = build_drafter(cfg, target)
+    same = 0
+    for i, j in enumerate((L - 2, L - 1)):
+        theirs = dict(target.model.layers[j].named_parameters())
+        for name, p in drafter.layers[i].named_parameters():
+            if name in theirs and theirs[name].shape == p.shape:
+                assert torch.equal(p, theirs[name].float()), name
+                same += 1
+    assert same >= 8  # attention projections, MLP, norms
+    with pytest.raises(ValueError, match="one target layer id"):
+        build_drafter(DraftTrainConfig(max_steps=1, num_layers=2, init_layers_from_target=(0,)), target)

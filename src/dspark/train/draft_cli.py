@@ -224,6 +224,11 @@ _TRAIN_FLAGS = {
     "--num-threads": ("num_threads", int, "torch threads per process"),
     "--draft-vocab": ("draft_vocab", str, "train over a reduced vocabulary: a draft_vocab.json or a dir with one"),
     "--draft-vocab-size": ("draft_vocab_size", int, "its first N ids (default: the file's default_size)"),
+    "--init-layers-from-target": (
+        "init_layers_from_target",
+        int_list,
+        "a fresh drafter's layers start as these target layers, one id per drafter layer, e.g. 28,29",
+    ),
     "--init-from": ("init_from", str, "warm start from an earlier run (its out dir, last.pt or export dir)"),
 }
 

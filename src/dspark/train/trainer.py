@@ -220,6 +220,8 @@ class DraftTrainConfig:
     export_dtype: str = "bfloat16"
     halt_at_step: int | None = None  # stop (checkpoint, no export) after this step, as if interrupted
     init_from: str | None = None  # warm start: the weights of an earlier run (out_dir, last.pt or export dir)
+    # a fresh drafter's layer i starts as target layer ids[i] (every tensor whose name and shape agree)
+    init_layers_from_target: tuple[int, ...] | None = None
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -289,6 +291,8 @@ class DraftTrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        if self.init_layers_from_target is not None:
+            d["init_layers_from_target"] = list(self.init_layers_from_target)
         if self.target_layer_ids is not None:
             d["target_layer_ids"] = list(self.target_layer_ids)
         return d
@@ -299,6 +303,8 @@ class DraftTrainConfig:
         d = {k: v for k, v in d.items() if k in known}
         if d.get("target_layer_ids") is not None:
             d["target_layer_ids"] = tuple(d["target_layer_ids"])
+        if d.get("init_layers_from_target") is not None:
+            d["init_layers_from_target"] = tuple(d["init_layers_from_target"])
         if d.get("eval_depth_edges") is not None:
             d["eval_depth_edges"] = tuple(d["eval_depth_edges"])
         return cls(**d)
@@ -562,12 +568,40 @@ def init_drafter_(drafter: DSparkDrafter, std: float, generator: torch.Generator
 def build_drafter(cfg: DraftTrainConfig, target: nn.Module) -> DSparkDrafter:
     drafter = DSparkDrafter(cfg.draft_config(target.config))
     init_drafter_(drafter, cfg.init_std, torch.Generator().manual_seed(cfg.seed))
+    if cfg.init_layers_from_target is not None:
+        copy_target_layers_(drafter, target, cfg.init_layers_from_target)
     norm = target_final_norm(target)
     if norm is not None and norm.shape == drafter.final_norm.weight.shape:
         with torch.no_grad():  # the borrowed lm_head then sees states at the target's scale from step 0
             drafter.final_norm.weight.copy_(norm)
     drafter.attach(target.embed_tokens, target.lm_head)
     return drafter.float().train()
+
+
+def copy_target_layers_(drafter: DSparkDrafter, target: nn.Module, ids: Sequence[int]) -> int:
+    """Start drafter layer i from target layer ids[i]: every tensor whose name and shape agree is copied (the
+    drafter's extra tensors, e.g. q/k norms a Llama target lacks, keep their init). → tensors copied."""
+    layers = getattr(getattr(target, "model", None), "layers", None)
+    mine = drafter.layers
+    if layers is None:
+        raise ValueError("--init-layers-from-target: the target has no model.layers to copy from")
+    if len(ids) != len(mine) or any(not 0 <= j < len(layers) for j in ids):
+        raise ValueError(
+            f"--init-layers-from-target {list(ids)}: give one target layer id in [0, {len(layers)}) per drafter "
+            f"layer ({len(mine)})"
+        )
+    copied = 0
+    with torch.no_grad():
+        for layer, j in zip(mine, ids):
+            theirs = dict(layers[j].named_parameters())
+            for name, p in layer.named_parameters():
+                src = theirs.get(name)
+                if src is not None and src.shape == p.shape:
+                    p.copy_(src.to(p.dtype))
+                    copied += 1
+    if copied == 0:
+        raise ValueError("--init-layers-from-target: no tensor of the target's layers matches the drafter's layers")
+    return copied
 
 
 def target_final_norm(target: nn.Module) -> torch.Tensor | None:
