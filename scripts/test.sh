@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# README command 2: install what is needed (idempotent), lint, then run the whole test suite.
+# The whole test suite (README "Set-up"): install what is needed (idempotent), lint, then run pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

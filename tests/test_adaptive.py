@@ -148,7 +148,7 @@ def test_greedy_adaptive_equals_target_only(tmp_path, seed):
     assert m.num_draft_tokens == sum(n * c for n, c in m.verify_len_hist.items())
     assert m.verify_tokens == sum((n + 1) * c for n, c in m.verify_len_hist.items())
     assert m.num_steps == len(verify_calls) < m.num_drafts
-    assert m.verify_tokens_per_step == pytest.approx(m.verify_tokens / len(verify_calls))
+    assert m.verify_tokens / m.num_steps == pytest.approx(m.verify_tokens / len(verify_calls))  # rows per step
 
 
 # ---- finding the calibration and cost files ----------------------------------------------------------------------

@@ -19,7 +19,7 @@ from dspark.bench.datasets import (
     pad_to_depth,
     read_sources,
 )
-from dspark.bench.speed import RESULT_KEYS, Cell, EngineMethod, measure_cell
+from dspark.bench.speed import RESULT_KEYS, Cell, EngineMethod, measure_parts, rows_from_measurements
 from dspark.config import EngineConfig, SpeculativeConfig
 from dspark.engine.engine import Engine
 from dspark.engine.metrics import SpecDecodingMetrics
@@ -27,6 +27,11 @@ from dspark.llm import LLM
 from dspark.models.tiny import build_tiny_pair, write_tiny_pair
 from dspark.sampling_params import SamplingParams
 from dspark.spec.propose import Proposal
+
+
+def measure_cell(methods, cell: Cell, params: SamplingParams):
+    """One row per method, the methods run round-robin over the cell's batches (``ar`` is the speed-up reference)."""
+    return rows_from_measurements(measure_parts(methods, cell, params), cell)
 
 
 @pytest.fixture(autouse=True)
@@ -106,7 +111,11 @@ def _perfect_setup(K, max_tokens, prompts):
     outs = LLM.from_engine(Engine(target, None, None, FP32)).generate([list(p) for p in prompts], params)
     reference = {p: o.token_ids for p, o in zip(prompts, outs)}
     spec = SpeculativeConfig(
-        method="dspark", num_speculative_tokens=K, draft_sample_method="greedy", rejection_sample_method="standard"
+        method="dspark",
+        num_speculative_tokens=K,
+        draft_sample_method="greedy",
+        rejection_sample_method="standard",
+        speculation_guard=False,  # every step drafts: three full rounds
     )
     perfect = _perfect(Engine(target, drafter, spec, FP32), reference)
     return ar, perfect, params

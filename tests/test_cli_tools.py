@@ -1,5 +1,6 @@
 """The command line as a user runs it (issue 31), part 3: ``train-target --tiny`` from an empty directory (it builds
-its own small corpus and tokenizer) and ``verify-lossless`` testing the dtype ``generate`` runs by default."""
+its own small corpus and tokenizer) and ``verify-lossless`` testing the dtype and weights ``generate`` runs by
+default ("auto" for both), saying which."""
 
 from __future__ import annotations
 
@@ -21,10 +22,15 @@ def test_train_target_tiny_runs_from_an_empty_directory(tmp_path: Path) -> None:
 
 
 def test_verify_lossless_tests_generates_default_dtype_and_says_which(tmp_path: Path) -> None:
-    from dspark.cli import DEFAULT_DTYPE, build_parser
+    from dspark.cli import build_parser
+    from dspark.config import EngineConfig
+    from dspark.precision import cpu_capability, cpu_flags, native_bf16
 
-    generate = build_parser().parse_args(["generate"])
-    assert generate.dtype == DEFAULT_DTYPE == "bfloat16"
+    parser = build_parser()
+    generate, verify = parser.parse_args(["generate"]), parser.parse_args(["verify-lossless", "--dataset", "d"])
+    assert generate.dtype == verify.dtype == EngineConfig.dtype == "auto"
+    assert generate.quantization == verify.quantization == EngineConfig.quantization == "auto"
+    expected = "bfloat16" if native_bf16(cpu_flags(), cpu_capability())[0] else "float32"  # k3-mini is dense
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "def add(a, b):\n"}) + "\n")
     p = run(
@@ -41,5 +47,6 @@ def test_verify_lossless_tests_generates_default_dtype_and_says_which(tmp_path: 
     )
     assert p.returncode == 0, p.stdout + p.stderr
     lines = p.stdout.splitlines()
-    assert "dtype bfloat16 (generate's default" in lines[0]
-    assert lines[-1] == "verify-lossless (bfloat16): identical"
+    assert f"dtype {expected} (auto: " in lines[0] and "quantization none (auto: not the export" in lines[0]
+    assert "every step drafting (speculation guard off)" in lines[0]
+    assert lines[-1] == f"verify-lossless ({expected}, quantization none): identical"

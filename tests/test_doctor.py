@@ -405,7 +405,7 @@ def test_nan_and_inf_weights(pair: tuple[Path, Path]) -> None:
 
 
 def test_bf16_scan_reads_in_chunks(pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    import dspark.doctor.checks as doctor
+    import dspark.doctor.weights as doctor
 
     target, draft = pair
 
@@ -451,6 +451,8 @@ def test_json_output_schema(pair: tuple[Path, Path], capsys: pytest.CaptureFixtu
     for p in data["problems"]:
         assert set(p) == {"check", "message", "fix"}
         assert all(isinstance(p[k], str) and p[k] for k in p)
+    precision = data.pop("precision")  # the CLI adds what the target would be served in on this machine
+    assert precision["quantization"] == "none" and precision["cpu_capability"]
     assert data == report_json(run_checks(draft, target))
 
 

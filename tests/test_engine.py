@@ -219,7 +219,7 @@ def test_small_pool_preempts_and_still_matches(method):
 
 def test_metrics_and_tau_definition():
     target, drafter = build_tiny_pair(0)
-    spec = SpeculativeConfig(method="dspark", num_speculative_tokens=3)
+    spec = SpeculativeConfig(method="dspark", num_speculative_tokens=3, speculation_guard=False)  # every step drafts
     outs = LLM.from_engine(Engine(target, drafter, spec, FP32)).generate(
         [[0, 4, 5]], SamplingParams(temperature=0, max_tokens=16)
     )

@@ -1,9 +1,13 @@
 """The speculation guard (drafting only while it pays) and vLLM's disable_by_batch_size: the switch follows the
 measured rates, and switching never changes a greedy token."""
 
+import json
+import time
+
 import pytest
 import torch
 
+from dspark.cli import guard_lines, main
 from dspark.config import ConfigError, EngineConfig, SpeculativeConfig
 from dspark.engine.engine import Engine
 from dspark.llm import LLM
@@ -93,7 +97,9 @@ def test_guarded_speculation_emits_the_target_greedy_tokens(method):
 
 def test_disable_by_batch_size_skips_drafting_for_larger_steps_only():
     expected, _ = _greedy(None)
-    spec = SpeculativeConfig(method="dspark", num_speculative_tokens=3, disable_by_batch_size=1)
+    spec = SpeculativeConfig(
+        method="dspark", num_speculative_tokens=3, disable_by_batch_size=1, speculation_guard=False
+    )
     torch.manual_seed(0)
     seen: dict[str, list[int]] = {"steps": [], "drafted": []}
     engine = Engine(*build_tiny_pair(3), spec, EngineConfig(dtype="float32", max_num_seqs=4))
@@ -115,3 +121,67 @@ def test_disable_by_batch_size_skips_drafting_for_larger_steps_only():
     assert got == expected
     assert max(seen["steps"]) > 1 and seen["drafted"] and set(seen["drafted"]) == {1}
     assert len(seen["drafted"]) == seen["steps"].count(1)  # every lone step drafted, no larger one did
+
+
+# ---- on by default: a round that costs more than it repays switches drafting off, and generate says so --------------
+
+SLOW_S = 0.05  # a drafter this slow cannot repay its round on a tiny model: at most K + 1 = 4 tokens per 50 ms
+
+
+def _slow(propose):
+    def slow_propose(*a, **kw):
+        time.sleep(SLOW_S)
+        return propose(*a, **kw)
+
+    return slow_propose
+
+
+def test_the_guard_is_on_by_default_and_switches_a_slow_drafter_off():
+    assert SpeculativeConfig().speculation_guard is True
+    expected, _ = _greedy(None)
+    spec = SpeculativeConfig(method="dspark", num_speculative_tokens=3)
+    torch.manual_seed(0)
+    engine = Engine(*build_tiny_pair(3), spec, EngineConfig(dtype="float32", max_num_seqs=1))
+    engine.runner.propose_draft = _slow(engine.runner.propose_draft)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(4, 96, (n,), generator=g).tolist() for n in (5, 17, 30)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m) for m in (24, 16, 20)]
+    got = [o.token_ids for o in LLM.from_engine(engine).generate(prompts, params)]
+    assert got == expected  # switching never changes a greedy token
+    rep = engine.guard.report()["1"]
+    warmup, probe = engine.guard.warmup, engine.guard.probe
+    assert rep["drafting"] is False and rep["switched_off_at_step"] == warmup + probe
+    assert rep["plain_steps"] > rep["draft_steps"]
+    (line,) = guard_lines(engine)
+    assert line.startswith(f"speculation guard: batch size 1: drafting switched off at step {warmup + probe}: ")
+    assert "a round costs more than its accepted tokens repay" in line
+
+
+def test_a_step_with_a_seeded_sampled_request_always_drafts():
+    spec = SpeculativeConfig(method="dspark", num_speculative_tokens=3)
+    torch.manual_seed(0)
+    engine = Engine(*build_tiny_pair(3), spec, EngineConfig(dtype="float32", max_num_seqs=1))
+    engine.runner.propose_draft = _slow(engine.runner.propose_draft)
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=20, ignore_eos=True)
+    LLM.from_engine(engine).generate([[4, 5, 6, 7]], params)
+    assert engine.guard.buckets == {}  # never consulted: its output must not depend on the machine's timing
+    assert engine.metrics.spec.num_drafts > 0
+
+
+def test_generate_prints_why_drafting_was_switched_off(tmp_path, capsys, monkeypatch):
+    from dspark.engine.runner import ModelRunner
+    from dspark.models.tiny import write_tiny_pair
+
+    target_dir, draft_dir = write_tiny_pair(tmp_path)
+    monkeypatch.setattr(ModelRunner, "propose_draft", _slow(ModelRunner.propose_draft))
+    spec = json.dumps({"method": "dspark", "model": str(draft_dir), "num_speculative_tokens": 3})
+    argv = ["generate", "abc", "--model", str(target_dir), "--speculative-config", spec, "--dtype", "float32"]
+    assert main([*argv, "--max-tokens", "40", "--no-compare"]) == 0
+    err = capsys.readouterr().err
+    assert "speculation guard: batch size 1: drafting switched off at step 6: " in err, err
+    assert main([*argv, "--max-tokens", "40", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)["speculation_guard"]
+    assert report["1"]["drafting"] is False and report["1"]["switched_off_at_step"] == 6
+    off = json.dumps({"method": "dspark", "model": str(draft_dir), "speculation_guard": False})
+    assert main([*argv[:4], "--speculative-config", off, "--max-tokens", "4", "--no-compare"]) == 0
+    assert "speculation guard: off (speculation_guard false): every step drafts" in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""Engine options vLLM users pass: --dtype (one accepted set everywhere) and swap_space (rejected, not ignored)."""
+"""Engine options vLLM users pass: --dtype (one accepted set everywhere, "auto" on the engine commands; see
+test_precision.py) and swap_space (rejected, not ignored)."""
 
 import json
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from dspark.cli import build_parser, main
-from dspark.config import DTYPES, CacheConfig, ConfigError, EngineConfig
+from dspark.config import DTYPE_CHOICES, DTYPES, CacheConfig, ConfigError, EngineConfig
 from dspark.llm import LLM, build_engines
 from dspark.models.tiny import write_tiny_pair
 from dspark.sampling_params import SamplingParams
@@ -23,12 +24,12 @@ SUBCOMMANDS = {
 
 
 def test_dtype_error_lists_exactly_the_accepted_values():
-    assert DTYPES == ("bfloat16", "float16", "float32")
-    for name in DTYPES:
+    assert DTYPES == ("bfloat16", "float16", "float32") and DTYPE_CHOICES == ("auto", *DTYPES)
+    for name in DTYPE_CHOICES:
         assert EngineConfig(dtype=name).dtype == name
     with pytest.raises(ConfigError, match="dtype") as err:
         EngineConfig(dtype="float64")
-    assert str(list(DTYPES)) in str(err.value)
+    assert str(list(DTYPE_CHOICES)) in str(err.value)
 
 
 @pytest.mark.parametrize("command", sorted(SUBCOMMANDS))

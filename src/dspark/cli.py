@@ -9,8 +9,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dspark.cli_common import add_threads_arg, apply_threads, default_spec, json_object, model_or_demo
-from dspark.config import DTYPES, ConfigError
+from dspark.cli_common import (
+    add_precision_args,
+    add_threads_arg,
+    apply_threads,
+    default_spec,
+    json_object,
+    model_or_demo,
+)
+from dspark.config import ConfigError
 
 if TYPE_CHECKING:
     from dspark.doctor import CheckProblem
@@ -100,9 +107,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     else:
         target = _bundled_target(draft)
     report = CheckReport(tuple(problems), (), ()) if problems else run_checks(draft, target)
+    precision = None if problems else _serving_precision(target)
     if args.json:
-        print(json.dumps(report_json(report)))
+        print(json.dumps(report_json(report) | ({"precision": precision.to_json()} if precision else {})))
     else:
+        if precision is not None:
+            what = "the target would be served in" if target is not None else "a dense target would be served in"
+            print(f"on this machine {what}: {precision.describe()}")
         encoding = getattr(sys.stdout, "encoding", None) or "ascii"
         try:
             "✔✖–".encode(encoding)
@@ -111,6 +122,20 @@ def cmd_check(args: argparse.Namespace) -> int:
             ascii_only = True
         print(format_report(report, ascii_only=ascii_only))
     return 0 if report.ok else 1
+
+
+def _serving_precision(target: Path | None):
+    """The dtype and quantization generate/serve would choose by default for this target on this machine (a dense
+    target's without one); None when the target's config cannot be read (a check reports that)."""
+    from dspark.precision import Precision, choose_dtype, cpu_capability, resolve_precision
+
+    if target is None:
+        dtype, why = choose_dtype("auto", "none")
+        return Precision(dtype, "none", cpu_capability(), why, "no target given")
+    try:
+        return resolve_precision(target)
+    except (ConfigError, OSError):
+        return None
 
 
 def add_check(sub: argparse._SubParsersAction) -> None:
@@ -334,7 +359,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     compare = (args.compare or args.json) and spec is not None
     configs = [spec, None] if compare else [spec]
     engines = build_engines(
-        model, configs, dtype=args.dtype, seed=args.seed or 0, attention_backend=args.attention_backend
+        model,
+        configs,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        seed=args.seed or 0,
+        attention_backend=args.attention_backend,
     )
     chat, why = prompt_format(engines[0], args.chat)
     prompt = _prompt(engines[0], args.prompt, chat)
@@ -357,6 +387,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     "acceptance_length": tau,
                     "tokens_per_s": tps,
                     "speedup_vs_ar": speedup,
+                    "precision": engines[0].precision.to_json(),
+                    "speculation_guard": engines[0].guard.report() if engines[0].guard is not None else None,
                 }
             )
         )
@@ -364,6 +396,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(out.text if chat else args.prompt + out.text)
     print("---", file=sys.stderr)
     print(f"prompt: {'chat template' if chat else 'raw text'} ({why})", file=sys.stderr)
+    print(f"precision: {engines[0].precision.describe()}", file=sys.stderr)
     spec_cfg = engines[0].spec
     method = spec_cfg.method if spec_cfg is not None else "none (autoregressive)"
     tau_s = f"{tau:.2f}" if tau is not None else "n/a"
@@ -371,8 +404,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if speedup is not None:
         line += f"  speed-up vs no speculation: {speedup:.2f}x"
     print(line, file=sys.stderr)
+    for guard_line in guard_lines(engines[0]):
+        print(guard_line, file=sys.stderr)
     print("\n".join(cache_report_lines(engines[0].cache_report(REPORT_TOKENS))), file=sys.stderr)
     return 0
+
+
+def guard_lines(engine) -> list[str]:
+    """What the speculation guard decided (drafting on or switched off, and why), one line per batch size."""
+    if engine.spec is None:
+        return []
+    if engine.guard is None:
+        return ["speculation guard: off (speculation_guard false): every step drafts"]
+    return [f"speculation guard: {line}" for line in engine.guard.describe()]
 
 
 REPORT_TOKENS = 16384  # the request size whose cache bytes `generate` reports
@@ -412,7 +456,6 @@ def cache_report_lines(c: dict) -> list[str]:
     return lines
 
 
-DEFAULT_DTYPE = "bfloat16"  # generate's and verify-lossless's --dtype: one default, so what is verified is what runs
 SPEC_HELP = (
     'vLLM-style JSON, or @FILE to read it from a file, e.g. \'{"method": "dspark"}\'; "model" takes a drafter dir, '
     "a bundled drafter name (kimi-k3-mini-dspark, ...) or a hub id"
@@ -432,7 +475,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=DTYPES)
+    add_precision_args(p)
     p.add_argument(
         "--attention-backend",
         default=None,
@@ -482,22 +525,29 @@ def cmd_verify_lossless(args: argparse.Namespace) -> int:
     from dspark.llm import build_engines
 
     depths = parse_depths(args.context_depths)
-    dtype = args.dtype or DEFAULT_DTYPE
-    dtype_note = "" if args.dtype else " (generate's default; --dtype to test another)"
     apply_threads(args)
     model, demo = model_or_demo(args.model)
-    spec = default_spec(args, model if demo else None) or json.dumps({"method": "dspark"})
-    spec_engine, ar_engine = build_engines(model, [spec, None], dtype=dtype, attention_backend=args.attention_backend)
+    spec = json.loads(default_spec(args, model if demo else None) or json.dumps({"method": "dspark"}))
+    spec.setdefault("speculation_guard", False)  # every step drafts: the rounds are what is verified
+    spec_engine, ar_engine = build_engines(
+        model,
+        [spec, None],
+        dtype=args.dtype,
+        quantization=args.quantization,
+        attention_backend=args.attention_backend,
+    )
+    precision = spec_engine.precision
     print(
-        f"verify-lossless: target {spec_engine.model_dir}, drafter {spec_engine.draft_dir}, "
-        f"dtype {dtype}{dtype_note}, greedy, {args.max_tokens} new tokens per prompt"
+        f"verify-lossless: target {spec_engine.model_dir}, drafter {spec_engine.draft_dir}, greedy, "
+        f"{args.max_tokens} new tokens per prompt, every step drafting (speculation guard off); "
+        f"{precision.describe()} (what generate and serve run with the same --dtype and --quantization)"
     )
     sets = _lossless_prompt_sets(args, spec_engine, depths)
     if not sets:
         raise ValueError("every --context-depths value was skipped; nothing was verified")
     bad = sum(_compare_outputs(label, ids, ar_engine, spec_engine, args.max_tokens) for label, ids in sets)
     verdict = "identical" if not bad else f"{bad} prompt(s) differ"
-    print(f"verify-lossless ({dtype}): {verdict}")
+    print(f"verify-lossless ({precision.dtype}, quantization {precision.quantization}): {verdict}")
     return 1 if bad else 0
 
 
@@ -576,12 +626,7 @@ def add_verify_lossless(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--model", default=None, help="target (as generate's --model; default: the bundled pair)")
     p.add_argument("--speculative-config", type=json_object, default=None, help=SPEC_HELP)
-    p.add_argument(
-        "--dtype",
-        default=None,
-        choices=DTYPES,
-        help=f"weights and activations to verify in (default {DEFAULT_DTYPE}: what generate and serve run)",
-    )
+    add_precision_args(p)  # the defaults generate and serve run with: what is verified is what runs
     p.add_argument(
         "--attention-backend",
         default=None,

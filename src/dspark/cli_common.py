@@ -1,6 +1,6 @@
-"""Helpers every ``dspark`` subcommand shares: comma-list and JSON argparse types, the ``--threads`` option, the
-model dir (or a tiny demo pair) and the default speculative config. A leaf module: subcommand modules import it,
-never ``dspark.cli`` itself."""
+"""Helpers every ``dspark`` subcommand shares: comma-list and JSON argparse types, the ``--threads``, ``--dtype`` and
+``--quantization`` options, the model dir (or a tiny demo pair) and the default speculative config. A leaf module:
+subcommand modules import it, never ``dspark.cli`` itself."""
 
 from __future__ import annotations
 
@@ -62,6 +62,27 @@ def add_threads_arg(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="CPU threads for torch (default: DSPARK_NUM_THREADS, else measured once per machine and model and "
         "cached under $DSPARK_CACHE)",
+    )
+
+
+def add_precision_args(p: argparse.ArgumentParser) -> None:
+    """``--dtype`` and ``--quantization``, defaults from ``EngineConfig`` ("auto": chosen for the machine and model,
+    see dspark.precision)."""
+    from dspark.config import DTYPE_CHOICES, QUANTIZATIONS, EngineConfig
+
+    p.add_argument(
+        "--dtype",
+        default=EngineConfig.dtype,
+        choices=DTYPE_CHOICES,
+        help="weights, activations and KV pages (default auto: float32 for a quantized target, else bfloat16 where "
+        "the CPU multiplies it natively (AVX-512 BF16 / AMX), else float32)",
+    )
+    p.add_argument(
+        "--quantization",
+        default=EngineConfig.quantization,
+        choices=QUANTIZATIONS,
+        help="the target's weights (default auto: gguf for a model from a .gguf file when the native kernels run, "
+        "else none); gguf serves the file's Q4_0/Q4_1/Q8_0 blocks as stored, gguf-int8 with int8 activations",
     )
 
 

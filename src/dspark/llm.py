@@ -20,7 +20,9 @@ from dspark.doctor.gate import check_before_load, check_finite
 from dspark.engine.engine import Engine, RequestOutput, load_adaptive
 from dspark.engine.metrics import EngineMetrics
 from dspark.models.loading import load_drafter, load_target
+from dspark.precision import resolve_precision
 from dspark.sampling_params import SamplingParams
+from dspark.spec.guard import SpeculationGuard
 from dspark.tokenizer import load_tokenizer
 
 ASSETS = BUNDLED_DIR
@@ -107,24 +109,32 @@ def _parse_spec(spec: str | Mapping[str, Any] | SpeculativeConfig | None) -> Spe
 def build_engines(
     model: str | Path | None,
     speculative_configs: Sequence[str | Mapping[str, Any] | SpeculativeConfig | None],
-    dtype: str = "bfloat16",
-    max_num_seqs: int = 16,
-    max_model_len: int | None = None,
-    num_pages: int | None = None,
-    page_size: int = 16,
-    seed: int = 0,
-    max_num_batched_tokens: int = 2048,
-    max_waiting: int = 256,
-    swap_space: float | None = None,
-    attention_backend: str | None = None,
+    dtype: str = EngineConfig.dtype,
+    quantization: str = EngineConfig.quantization,
+    max_num_seqs: int = EngineConfig.max_num_seqs,
+    max_model_len: int | None = EngineConfig.max_model_len,
+    num_pages: int | None = CacheConfig.num_pages,
+    page_size: int = CacheConfig.page_size,
+    seed: int = EngineConfig.seed,
+    max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
+    max_waiting: int = EngineConfig.max_waiting,
+    swap_space: float | None = CacheConfig.swap_space,
+    attention_backend: str | None = EngineConfig.attention_backend,
 ) -> list[Engine]:
-    """One engine per speculative config, all sharing one loaded target (and drafters per directory)."""
+    """One engine per speculative config, all sharing one loaded target (and drafters per directory).
+
+    ``dtype`` and ``quantization`` ("auto" by default) are resolved for this machine and model first
+    (dspark.precision); each engine's ``precision`` says what was chosen and why, its ``cfg`` holds the result."""
     target_dir = resolve_model(model)
     specs = [_parse_spec(s) for s in speculative_configs]
+    EngineConfig(dtype=dtype, quantization=quantization)  # refuse a bad name before anything is read
+    precision = resolve_precision(target_dir, dtype, quantization)
+    dtype = precision.dtype
     ecfg = EngineConfig(
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
         dtype=dtype,
+        quantization=precision.quantization,
         seed=seed,
         max_num_batched_tokens=max_num_batched_tokens,
         max_waiting=max_waiting,
@@ -133,7 +143,7 @@ def build_engines(
     cache = CacheConfig(page_size=page_size, num_pages=num_pages, swap_space=swap_space)
     draft_dirs = [resolve_draft(spec, target_dir) if spec is not None else None for spec in specs]
     check_before_load(target_dir, draft_dirs)  # the doctor refuses what `dspark check` rejects
-    target = load_target(target_dir, dtype)
+    target = load_target(target_dir, dtype, precision.quantization)  # only the target is quantized
     check_finite(target, f"target {target_dir}")
     _set_target_backend(target, ecfg.target_attention_backend)
     tcfg = target.config
@@ -154,6 +164,7 @@ def build_engines(
         adaptive = load_adaptive(spec, draft_dir, target_dir) if spec and spec.enable_adaptive_verification else None
         ref = str(model) if model is not None else None
         engines.append(Engine(target, drafter, spec, ecfg, cache, tok, adaptive, target_dir, draft_dir, ref))
+        engines[-1].precision = precision
     _default_threads(engines[0], f"{target_dir.name}|{dtype}|{sum(p.numel() for p in target.parameters())} params")
     return engines
 
@@ -175,8 +186,10 @@ def _default_threads(engine: Engine, model_key: str) -> None:
             engine.step()
 
     choose_threads(model_key, decode_steps)
-    if next(calls):  # it ran: the calibration requests must not show in the engine's counters
+    if next(calls):  # it ran: the calibration requests must not show in the engine's counters (nor the guard's)
         engine.metrics = EngineMetrics(log_interval_s=engine.cfg.log_stats_interval_s)
+        if engine.guard is not None:
+            engine.guard = SpeculationGuard()
 
 
 def _set_target_backend(target: Any, backend: str | None) -> None:

@@ -45,7 +45,7 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -113,12 +113,24 @@ def env_threads() -> int | None:
     return n
 
 
-def _read_cache(path: Path) -> dict:
+def read_cache(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
         return data if isinstance(data, dict) else {}
     except (OSError, ValueError):
         return {}
+
+
+def write_cache(path: Path, cache: dict) -> bool:
+    """Replace a per-machine cache file atomically; False (and nothing written) where it cannot be written."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        return False
+    return True
 
 
 def choose_threads(model_key: str, workload: Callable[[], object]) -> int:
@@ -134,9 +146,9 @@ def choose_threads(model_key: str, workload: Callable[[], object]) -> int:
         torch.set_num_threads(1)
         _source = "the one usable core"
         return 1
-    key = f"{_cpu_model()}|{cores} cores|torch {torch.__version__}|{model_key}"
+    key = f"{cpu_model()}|{cores} cores|torch {torch.__version__}|{model_key}"
     path = _cache_path()
-    cache = _read_cache(path)
+    cache = read_cache(path)
     if key in cache:
         n = int(cache[key]["threads"])
         _source = f"calibrated earlier ({path})"
@@ -150,13 +162,7 @@ def choose_threads(model_key: str, workload: Callable[[], object]) -> int:
         best = calibrate(workload, candidates(cores))
         n = pick(best)
         cache[key] = {"threads": n, "best_ms": {str(c): round(s * 1e3, 3) for c, s in best.items()}}
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(cache, indent=1) + "\n")
-            os.replace(tmp, path)
-        except OSError:
-            pass  # a read-only home: calibrate again next time
+        write_cache(path, cache)  # a read-only home: calibrate again next time
         _source = "calibrated now (best of 7: " + ", ".join(f"{c}: {s * 1e3:.1f} ms" for c, s in best.items()) + ")"
     torch.set_num_threads(n)
     return n

@@ -233,14 +233,20 @@ def cmd_breakdown(args, target_dir: Path, draft_dir: Path | None) -> int:
     specs: list[dict | None] = [None]
     if draft_dir is not None:
         k = args.num_speculative_tokens
-        specs.append({"method": "dspark", "model": str(draft_dir), "num_speculative_tokens": k})
-    engines = build_engines(target_dir, specs, dtype=args.dtype, max_num_seqs=cfg.concurrency)
+        specs.append(
+            {"method": "dspark", "model": str(draft_dir), "num_speculative_tokens": k, "speculation_guard": False}
+        )
+    engines = build_engines(
+        target_dir, specs, dtype=args.dtype, quantization=args.quantization, max_num_seqs=cfg.concurrency
+    )
     tok = engines[0].tokenizer
     prompts = [tok.encode(p.text) for p in read_bench_prompts(str(HELDOUT), max(cfg.concurrency, 4), None)]
     names = ["ar"] + (["dspark"] if draft_dir is not None else [])
     print(
-        f"breakdown: target {target_dir}" + (f" + drafter {draft_dir}" if draft_dir else "") + f", {args.dtype}, "
-        f"concurrency {cfg.concurrency}, {cfg.steps} steps, {describe_threads()}"
+        f"breakdown: target {target_dir}"
+        + (f" + drafter {draft_dir}" if draft_dir else "")
+        + f", {engines[0].precision.describe()}, concurrency {cfg.concurrency}, {cfg.steps} steps, "
+        f"{describe_threads()}"
     )
     results = [breakdown(n, e, prompts, cfg) for n, e in zip(names, engines)]
     print(format_breakdowns(results))

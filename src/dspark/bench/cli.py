@@ -8,8 +8,8 @@ import os
 import sys
 from pathlib import Path
 
-from dspark.cli_common import float_list, int_list
-from dspark.config import DTYPES, ConfigError
+from dspark.cli_common import add_precision_args, float_list, int_list
+from dspark.config import ConfigError
 
 BASELINES_HELP = "dflash,ngram,dspark-adaptive,dspark-guard,hf-generate,hf-prompt-lookup,vllm,vllm-ngram"
 
@@ -56,6 +56,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         draft_window=args.draft_window,
         draft_vocab_size=args.draft_vocab_size,
         dtype=args.dtype,
+        quantization=args.quantization,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
         warmup=not args.no_warmup,
@@ -70,6 +71,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"note: {note}", file=sys.stderr)
     data = report.to_json()
     data["config"]["threads"] = threads
+    pr = data["config"]["precision"]
+    print(
+        f"precision: dtype {pr['dtype']} ({pr['dtype_why']}); quantization {pr['quantization']} "
+        f"({pr['quantization_why']}); CPU capability {pr['cpu_capability']}",
+        file=sys.stderr,
+    )
     if args.output:
         _write_json(Path(args.output), data)
         print(f"wrote {args.output}", file=sys.stderr)
@@ -135,7 +142,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="also run 'dspark-vocab': dspark drafting from the drafter's N most frequent tokens (draft_vocab.json; "
         "0: the full vocabulary)",
     )
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    add_precision_args(p)  # our engines' target; the transformers and vLLM baselines run dense in the chosen dtype
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--num-threads",

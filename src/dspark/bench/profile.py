@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from dspark.config import DTYPES, CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
+from dspark.cli_common import add_precision_args
+from dspark.config import CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
 from dspark.engine.engine import Engine
 from dspark.engine.request import Request
 from dspark.models.drafter import DSparkDrafter
@@ -84,7 +85,8 @@ def _prefilled_engine(
     """An engine whose cache holds `context_len` random tokens for max(batch_sizes) requests."""
     n, ctx, L = max(cfg.batch_sizes), cfg.context_len, cfg.max_tokens_per_request
     page = 16
-    spec = SpeculativeConfig(method="dspark", num_speculative_tokens=max(1, L - 1)) if drafter is not None else None
+    k = max(1, L - 1)
+    spec = SpeculativeConfig("dspark", num_speculative_tokens=k, speculation_guard=False) if drafter else None
     dtype = str(next(target.parameters()).dtype).removeprefix("torch.")
     ecfg = EngineConfig(max_num_seqs=n, dtype=dtype, max_model_len=ctx + L + 1)
     engine = Engine(
@@ -199,6 +201,7 @@ def _resolve(args: argparse.Namespace) -> tuple[Path, Path | None]:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from dspark.models.loading import load_drafter, load_target
+    from dspark.precision import resolve_precision
 
     if args.num_threads:
         from dspark.threads import set_threads
@@ -218,17 +221,21 @@ def cmd_profile(args: argparse.Namespace) -> int:
         monotone=not args.raw,
     )
     target_dir, draft_dir = _resolve(args)
-    target = load_target(target_dir, args.dtype)
-    drafter = load_drafter(draft_dir, target, args.dtype) if draft_dir is not None else None
+    precision = resolve_precision(target_dir, args.dtype, args.quantization)  # what build_engines would serve
+    target = load_target(target_dir, precision.dtype, precision.quantization)
+    drafter = load_drafter(draft_dir, target, precision.dtype) if draft_dir is not None else None
     what = f"target {target_dir}" + (f" + drafter {draft_dir}" if drafter is not None else " (target only)")
     print(
-        f"profiling {what}, {args.dtype}, context {cfg.context_len}, {torch.get_num_threads()} threads", file=sys.stderr
+        f"profiling {what}, {precision.describe()}, context {cfg.context_len}, {torch.get_num_threads()} threads",
+        file=sys.stderr,
     )
     result = profile_sps(target, drafter, cfg, progress=None if args.quiet else lambda s: print(s, file=sys.stderr))
     meta = {
         "target": str(target_dir),
         "draft": str(draft_dir) if draft_dir is not None else None,
-        "dtype": args.dtype,
+        "dtype": precision.dtype,
+        "quantization": precision.quantization,
+        "cpu_capability": precision.cpu_capability,
         "device": "cuda" if torch.cuda.is_available() else "cpu",
         "num_threads": torch.get_num_threads(),
         "context_len": cfg.context_len,
@@ -265,7 +272,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed steps per point; the median is kept (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per point (default 2)")
     p.add_argument("--raw", action="store_true", help="keep raw medians (no non-increasing fit over B)")
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    add_precision_args(p)
     p.add_argument(
         "--num-threads",
         "--threads",

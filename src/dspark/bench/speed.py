@@ -24,7 +24,7 @@ from typing import Any
 from dspark.bench.acceptance import sum_counters
 from dspark.bench.baselines import HFGenerate, VLLMError, VLLMMethod
 from dspark.bench.methods import EngineMethod, Measurement, Method
-from dspark.config import ConfigError, DraftConfig, KimiLinearConfig, SpeculativeConfig, TargetConfig
+from dspark.config import ConfigError, DraftConfig, EngineConfig, KimiLinearConfig, SpeculativeConfig, TargetConfig
 from dspark.engine.metrics import DecodeTimes, tau_bound
 from dspark.sampling_params import SamplingParams
 
@@ -113,18 +113,6 @@ class Cell:
 
 def _batches(prompts: Sequence[Sequence[int]], size: int) -> list[list[Sequence[int]]]:
     return [list(prompts[i : i + size]) for i in range(0, len(prompts), size)]
-
-
-def measure_cell(
-    methods: Sequence[Method],
-    cell: Cell,
-    params: SamplingParams,
-    on_measure: Callable[[str], None] | None = None,
-) -> list[BenchRow]:
-    """Run the cell round-robin over batches and methods; one row per method (``ar`` is the reference)."""
-    if AR not in [m.name for m in methods]:
-        raise ConfigError("bench: the 'ar' method (our engine without speculation) is the speed-up reference")
-    return rows_from_measurements(measure_parts(methods, cell, params, on_measure), cell)
 
 
 def measure_parts(
@@ -227,7 +215,8 @@ class BenchConfig:
     context_source: str | None = None  # corpus-format JSONL (default: the committed held-out sources)
     draft_window: int | None = None  # adds 'dspark-window': dspark with the drafter reading the last W context tokens
     draft_vocab_size: int | None = None  # adds 'dspark-vocab': dspark with draft_vocab_size N (0: the full vocabulary)
-    dtype: str = "bfloat16"
+    dtype: str = EngineConfig.dtype  # "auto": resolved once for the target (dspark.precision); every method runs it
+    quantization: str = EngineConfig.quantization  # our engines' target weights; the peers run dense
     seed: int = 0
     ignore_eos: bool = False
     warmup: bool = True
@@ -369,17 +358,17 @@ def _spec_for(
 ) -> dict[str, Any] | None:
     if name == AR:
         return None
+    # every method but dspark-guard drafts every step: the bench measures the method itself
+    common = {"num_speculative_tokens": k, "speculation_guard": name == "dspark-guard"}
     if name == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k}
+        return {"method": "ngram"} | common
     if res.draft_dir is None:
         raise ConfigError(f"bench: method '{name}' needs a drafter; pass --draft DIR")
     if name == "dflash":
-        return {"method": "dflash", "model": str(res.dflash_dir), "num_speculative_tokens": k}
-    spec = {"method": "dspark", "model": str(res.draft_dir), "num_speculative_tokens": k}
+        return {"method": "dflash", "model": str(res.dflash_dir)} | common
+    spec: dict[str, Any] = {"method": "dspark", "model": str(res.draft_dir)} | common
     if name == "dspark-adaptive":
         spec["enable_adaptive_verification"] = True
-    if name == "dspark-guard":
-        spec["speculation_guard"] = True
     if name == "dspark-window":
         spec["draft_window"] = window
     if name == "dspark-vocab":
@@ -400,10 +389,13 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
     """Build every method on one loaded target, then run all cells interleaved; see the module docstring."""
     from dspark.bench.datasets import depth_prompts, encode_prompt, read_bench_prompts, read_sources
     from dspark.models.loading import read_target_config
+    from dspark.precision import resolve_precision
     from dspark.tokenizer import load_tokenizer
 
     notes: list[str] = []
     res = resolve_dirs(cfg)
+    precision = resolve_precision(res.target_dir, cfg.dtype, cfg.quantization)
+    cfg = replace(cfg, dtype=precision.dtype, quantization=precision.quantization)  # every method: the same dtype
     tcfg = read_target_config(res.target_dir)
     tok = load_tokenizer(res.target_dir, tcfg.vocab_size, tcfg.eos_token_ids, tcfg.bos_token_id)
     block = DraftConfig.load(res.draft_dir).block_size if res.draft_dir is not None else None
@@ -448,7 +440,8 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
     for n in (n for n in names if n in VLLM_METHODS):
         labels += _measure_vllm(n, all_cells, measured, cfg, res, k, max_len, notes)
     rows = [r for cell, parts in zip(all_cells, measured) for r in rows_from_measurements(parts, cell)]
-    return BenchReport(_report_config(cfg, res, k, len(prompts), labels), rows, notes)
+    config = _report_config(cfg, res, k, len(prompts), labels) | {"precision": precision.to_json()}
+    return BenchReport(config, rows, notes)
 
 
 def _report_config(cfg: BenchConfig, res: Resolved, k: int, num_prompts: int, labels: list[str]) -> dict[str, Any]:
@@ -470,6 +463,7 @@ def _report_config(cfg: BenchConfig, res: Resolved, k: int, num_prompts: int, la
         "draft_window": cfg.draft_window,
         "draft_vocab_size": cfg.draft_vocab_size,
         "dtype": cfg.dtype,
+        "quantization": cfg.quantization,
         "seed": cfg.seed,
         "ignore_eos": cfg.ignore_eos,
         "interleaving": "round-robin over batches, start method rotated per batch; each vLLM method afterwards, "
@@ -494,6 +488,7 @@ def _measure_ours(
         res.target_dir,
         [_spec_for(n, res, k, cfg.draft_window, cfg.draft_vocab_size) for n in engine_names],
         dtype=cfg.dtype,
+        quantization=cfg.quantization,
         max_num_seqs=max(cfg.concurrency),
         num_pages=num_pages + max(cfg.concurrency),
         page_size=page,

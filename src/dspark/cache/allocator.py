@@ -40,9 +40,6 @@ class PageAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
-    def num_used(self) -> int:
-        return self.num_pages - len(self._free)
-
     def refcount(self, page: int) -> int:
         self._check_page(page)
         return self._refcount[page]

@@ -11,6 +11,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,6 +36,9 @@ from dspark.spec.guard import SpeculationGuard
 from dspark.spec.propose import Proposal, SamplingTensors
 from dspark.spec.schedule import SpsTable, choose_verify_lengths, default_cost_model, load_sts
 from dspark.tokenizer import ByteTokenizer, HFTokenizer
+
+if TYPE_CHECKING:
+    from dspark.precision import Precision
 
 logger = logging.getLogger("dspark.engine")
 
@@ -137,6 +141,7 @@ class Engine:
         self.metrics = EngineMetrics(log_interval_s=self.cfg.log_stats_interval_s)
         self.adaptive = adaptive
         self.guard = SpeculationGuard() if self.spec is not None and self.spec.speculation_guard else None
+        self.precision: Precision | None = None  # dtype and weight format chosen by build_engines, and why
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._updated: list[Request] = []
@@ -269,7 +274,8 @@ class Engine:
         with scope("step.metadata"):
             sampling = self.runner.sampling_tensors(decodes, self.K + 1)
         allowed = self._may_draft(len(decodes))
-        guarded = allowed and self.guard is not None  # the guard decides this step
+        # the guard decides this step, unless a seeded sampled request is in it (its output must not depend on timing)
+        guarded = allowed and self.guard is not None and not any(_seeded_sampling(r) for r in decodes)
         drafting = self.guard.drafting(len(decodes)) if guarded else allowed
         proposal = self._propose(decodes, sampling) if drafting else None  # drafter block, n-gram lookup, or none
         t1 = time.perf_counter()
@@ -446,6 +452,10 @@ class Engine:
             if r.finished:
                 self.requests.pop(r.request_id, None)
         return outs
+
+
+def _seeded_sampling(req: Request) -> bool:
+    return req.params.seed is not None and not req.params.greedy
 
 
 def _adaptive_file(key: str, given: str | None, name: str, dirs: Sequence[Path | None]) -> Path | None:

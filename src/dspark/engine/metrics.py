@@ -46,10 +46,6 @@ class SpecDecodingMetrics:
     def per_position_acceptance(self) -> list[float]:
         return [a / self.num_drafts for a in self.accepted_per_pos] if self.num_drafts else []
 
-    @property
-    def verify_tokens_per_step(self) -> float | None:
-        return self.verify_tokens / self.num_steps if self.num_steps else None
-
     def log_line(self) -> str:
         tau = self.acceptance_length
         rates = ", ".join(f"{r:.3f}" for r in self.per_position_acceptance)

@@ -249,13 +249,6 @@ class DSparkDrafter(nn.Module):
                     return theirs + name[len(ours) :]
         return name
 
-    def module_name(self, file_name: str) -> str | None:
-        if self.config.is_gqa:
-            for ours, theirs in GQA_NAMES.items():
-                if file_name.startswith(theirs):
-                    return ours + file_name[len(theirs) :]
-        return file_name
-
 
 def block_mask(anchor_positions: torch.Tensor, block_size: int, num_keys: int) -> torch.Tensor:
     """Inference visibility over keys at positions 0..S-1: every block row sees the context < anchor and the

@@ -122,9 +122,6 @@ class KimiLinearTarget(DecoderTarget):
         if self.lm_head.weight.dtype == torch.float32:
             return
         super().fuse_for_inference()
-        with torch.inference_mode(False), torch.no_grad():
-            for layer in self.model.layers:
-                layer.self_attn.fuse()  # KDA: its six input projections; MLA: q|kv_a
 
     # the Target protocol ---------------------------------------------------------------------------
     @property
@@ -144,11 +141,6 @@ class KimiLinearTarget(DecoderTarget):
     @property
     def num_layers(self) -> int:
         return self.config.num_hidden_layers
-
-    @property
-    def num_latent_layers(self) -> int:
-        """Layers with pages in the latent pool (the MLA layers)."""
-        return len(self.config.mla_layers)
 
     @property
     def hidden_size(self) -> int:

@@ -304,6 +304,16 @@ def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.
     return out.view(B, H, T, -1)
 
 
+class Backbone(nn.Module):
+    """HF's ``model`` of a decoder: the token embedding, the decoder layers and the final norm."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, layers: Iterable[nn.Module], rms_norm_eps: float) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(hidden_size, rms_norm_eps)
+
+
 class DecoderTarget(nn.Module):
     """What every native decoder family shares: the HF-named backbone under ``model`` (``embed_tokens``,
     ``layers``, ``norm``), an lm_head (own or tied to the embedding) and the rotary tables. Subclasses add the
@@ -325,12 +335,13 @@ class DecoderTarget(nn.Module):
         return self.model.embed_tokens
 
     def fuse_for_inference(self) -> None:
-        """Fused weights for the inference path: every layer's FFN (SwiGLU gate|up, stacked experts) by default;
-        families add their own (Llama: q|k|v). Parameters become views (names, values and the training path
-        unchanged). Idempotent."""
+        """Fused weights for the inference path: every layer's FFN (SwiGLU gate|up, stacked experts) and its
+        attention's input projections (Llama: q|k|v; MLA: q|kv_a; KDA: its six). Parameters become views (names,
+        values and the training path unchanged). Idempotent."""
         with torch.inference_mode(False), torch.no_grad():
             for layer in self.model.layers:
                 layer.mlp.fuse()
+                layer.self_attn.fuse()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Post-norm hidden [..., D] → fp32 logits [..., V]."""

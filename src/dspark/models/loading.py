@@ -22,6 +22,7 @@ from dspark.checkpoint.io import list_checkpoint_tensors, save_state_dict
 from dspark.checkpoint.roster import TensorSpec, load_module_strict, module_roster
 from dspark.config import (
     GQA_MODEL_TYPES,
+    QUANTIZATIONS,
     ConfigError,
     DraftConfig,
     GQATargetConfig,
@@ -92,9 +93,6 @@ def target_roster(cfg: TargetConfig | GQATargetConfig) -> dict[str, TensorSpec]:
     return head | layers | tail
 
 
-QUANTIZATIONS = ("auto", "gguf", "gguf-int8", "none")
-
-
 def load_target(path: str | Path, dtype: str | torch.dtype = "float32", quantization: str = "none") -> Target:
     """Load an HF model directory as a target: config.json read once, the family chosen by ``model_type``
     (missing: DeepSeek-V3), strict load; unknown architectures go through transformers with one warning.
@@ -105,7 +103,8 @@ def load_target(path: str | Path, dtype: str | torch.dtype = "float32", quantiza
     ("gguf" for a GGUF export when the native kernels are available, else "none")."""
     path = Path(path)
     d = read_json(path)
-    quant = resolve_quantization(path, d, quantization)
+    quantization = choose_quantization(path, d, quantization)[0]
+    quant = gguf_source(path) if quantization != "none" else None
     loader = TARGET_FAMILIES.get(d.get("model_type", "deepseek_v3"))
     if loader is None:
         warnings.warn(
@@ -123,26 +122,31 @@ def load_target(path: str | Path, dtype: str | torch.dtype = "float32", quantiza
     return model
 
 
-def resolve_quantization(path: Path, d: Mapping[str, Any], quantization: str) -> Path | None:
-    """The GGUF file to serve quantized weights from, or None for dense weights (see ``load_target``)."""
+def choose_quantization(path: Path, d: Mapping[str, Any], quantization: str) -> tuple[str, str]:
+    """The weight format a target loads in, "none", "gguf" or "gguf-int8" ("auto" resolved), and why."""
     if quantization not in QUANTIZATIONS:
         raise ConfigError(f"quantization {quantization!r} is not supported; use one of {list(QUANTIZATIONS)}")
     if quantization == "none":
-        return None
+        return "none", "dense weights, as asked"
     source = gguf_source(path)
-    native_family = TARGET_FAMILIES.get(d.get("model_type", "deepseek_v3")) is load_gqa_target
+    model_type = d.get("model_type", "deepseek_v3")
+    native_family = TARGET_FAMILIES.get(model_type) is load_gqa_target
     if quantization == "auto":
-        return source if source is not None and native_family and native.available() else None
+        if source is None:
+            return "none", "auto: not the export of a .gguf file"
+        if not native_family:
+            return "none", f"auto: model_type {model_type!r} is served dense only"
+        if not native.available():
+            return "none", f"auto: {native.status()}"
+        return "gguf", f"auto: {source.name} served as stored by the native kernels"
     if source is None:
         raise ConfigError(
             f"quantization {quantization!r}: {path} is not the export of a .gguf file (or the file changed since); "
             "pass the model as its .gguf file or alias, or use quantization 'none'"
         )
     if not native_family:
-        raise ConfigError(
-            f"quantization {quantization!r}: model_type {d.get('model_type')!r} is served dense only; use 'none'"
-        )
-    return source
+        raise ConfigError(f"quantization {quantization!r}: model_type {model_type!r} is served dense only; use 'none'")
+    return quantization, f"{source.name}, as asked"
 
 
 def load_mla_target(path: Path, d: Mapping[str, Any], dtype: torch.dtype) -> MLATarget:

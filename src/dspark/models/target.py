@@ -16,6 +16,7 @@ from torch import nn
 
 from dspark.config import TargetConfig
 from dspark.models.layers import (
+    Backbone,
     DecoderTarget,
     RMSNorm,
     SwiGLU,
@@ -302,28 +303,15 @@ class DecoderLayer(nn.Module):
             return h + self.mlp(x)
 
 
-class _Backbone(nn.Module):
-    def __init__(self, cfg: TargetConfig) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
 class MLATarget(DecoderTarget):
     """DeepSeek-V3 / Kimi-K2 decoder over a batch of sequences with a shared latent store."""
 
     tap_streams = ("residual",)  # what a tap can read: the output of its decoder layer
 
     def __init__(self, cfg: TargetConfig) -> None:
-        super().__init__(cfg, _Backbone(cfg), cfg.hidden_size, cfg.vocab_size, cfg.tie_word_embeddings, cfg.rope)
-
-    def fuse_for_inference(self) -> None:
-        """Fused gate|up MLP, stacked experts and q|kv_a attention weights for inference (see DecoderTarget)."""
-        super().fuse_for_inference()
-        with torch.inference_mode(False), torch.no_grad():
-            for layer in self.model.layers:
-                layer.self_attn.fuse()
+        layers = (DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        model = Backbone(cfg.vocab_size, cfg.hidden_size, layers, cfg.rms_norm_eps)
+        super().__init__(cfg, model, cfg.hidden_size, cfg.vocab_size, cfg.tie_word_embeddings, cfg.rope)
 
     # the Target protocol ---------------------------------------------------------------------------
     @property

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
@@ -13,6 +15,8 @@ from dspark.models.drafter import DSparkDrafter
 from dspark.models.kimi_linear import KimiLinearTarget
 from dspark.models.llama import LlamaTarget
 from dspark.models.target import MLATarget
+
+T = TypeVar("T", MLATarget, LlamaTarget, KimiLinearTarget)
 
 
 def tiny_target_config(
@@ -117,12 +121,16 @@ def build_tiny_pair(
 ) -> tuple[MLATarget, DSparkDrafter]:
     tcfg = target_cfg or tiny_target_config()
     dcfg = draft_cfg or tiny_draft_config(tcfg)
-    target = MLATarget(tcfg)
+    return _randomized_pair(MLATarget(tcfg), dcfg, seed)
+
+
+def _randomized_pair(target: T, draft_cfg: DraftConfig, seed: int) -> tuple[T, DSparkDrafter]:
+    """Random weights for a target and a drafter built for it (which borrows its embedding and lm_head)."""
     randomize_(target, seed)
     # a sharper lm_head gives the tiny target low-entropy, drafter-friendly distributions
     with torch.no_grad():
         target.lm_head.weight.mul_(4.0)
-    drafter = DSparkDrafter(dcfg)
+    drafter = DSparkDrafter(draft_cfg)
     randomize_(drafter, seed + 1)
     drafter.attach(target.embed_tokens, target.lm_head)
     return target.eval(), drafter.eval()
@@ -130,10 +138,15 @@ def build_tiny_pair(
 
 def write_tiny_pair(directory: str | Path, seed: int = 0, **kw) -> tuple[Path, Path]:
     """Save a tiny random pair as HF-style directories ``<dir>/target`` and ``<dir>/draft``."""
-    from dspark.models.loading import save_drafter, save_target
+    from dspark.models.loading import save_target
 
-    directory = Path(directory)
-    target, drafter = build_tiny_pair(seed, **kw)
+    return _save_pair(Path(directory), *build_tiny_pair(seed, **kw), save_target)
+
+
+def _save_pair(directory: Path, target: Any, drafter: DSparkDrafter, save_target: Callable) -> tuple[Path, Path]:
+    """``<dir>/target`` (marked as random test weights) and ``<dir>/draft`` (float32)."""
+    from dspark.models.loading import save_drafter
+
     save_target(target, directory / "target")
     save_drafter(drafter, directory / "draft", dtype="float32")
     mark_random_weights(directory / "target")
@@ -203,14 +216,7 @@ def build_tiny_gqa_pair(
     seed: int = 0, target_cfg: GQATargetConfig | None = None, draft_cfg: DraftConfig | None = None
 ) -> tuple[LlamaTarget, DSparkDrafter]:
     tcfg = target_cfg or tiny_gqa_config()
-    target = LlamaTarget(tcfg)
-    randomize_(target, seed)
-    with torch.no_grad():  # peaked distributions, as in build_tiny_pair
-        target.lm_head.weight.mul_(4.0)
-    drafter = DSparkDrafter(draft_cfg or tiny_gqa_draft_config(tcfg))
-    randomize_(drafter, seed + 1)
-    drafter.attach(target.embed_tokens, target.lm_head)
-    return target.eval(), drafter.eval()
+    return _randomized_pair(LlamaTarget(tcfg), draft_cfg or tiny_gqa_draft_config(tcfg), seed)
 
 
 # ---- hybrid KDA + MLA (Kimi Linear / K3-shaped) targets with the MLA drafter ----------------------------------
@@ -257,23 +263,11 @@ def build_tiny_hybrid_pair(
 ) -> tuple[KimiLinearTarget, DSparkDrafter]:
     tcfg = target_cfg or tiny_hybrid_config()
     dcfg = draft_cfg or tiny_draft_config(tcfg.base)
-    target = KimiLinearTarget(tcfg)
-    randomize_(target, seed)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(4.0)
-    drafter = DSparkDrafter(dcfg)
-    randomize_(drafter, seed + 1)
-    drafter.attach(target.embed_tokens, target.lm_head)
-    return target.eval(), drafter.eval()
+    return _randomized_pair(KimiLinearTarget(tcfg), dcfg, seed)
 
 
 def write_tiny_hybrid_pair(directory: str | Path, seed: int = 0, **kw) -> tuple[Path, Path]:
     """Save a tiny random hybrid pair as ``<dir>/target`` (kimi_linear) and ``<dir>/draft``."""
-    from dspark.models.loading import save_drafter, save_kimi_linear
+    from dspark.models.loading import save_kimi_linear
 
-    directory = Path(directory)
-    target, drafter = build_tiny_hybrid_pair(seed, **kw)
-    save_kimi_linear(target, directory / "target")
-    save_drafter(drafter, directory / "draft", dtype="float32")
-    mark_random_weights(directory / "target")
-    return directory / "target", directory / "draft"
+    return _save_pair(Path(directory), *build_tiny_hybrid_pair(seed, **kw), save_kimi_linear)

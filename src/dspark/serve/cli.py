@@ -9,7 +9,8 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from dspark.config import DTYPES, ConfigError, EngineConfig
+from dspark.cli_common import add_precision_args
+from dspark.config import ConfigError, EngineConfig
 from dspark.serve.config import ServerConfig
 
 if TYPE_CHECKING:
@@ -62,6 +63,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = app.state.dspark.model_name
     method = engine.spec.method if engine.spec is not None else "none"
     print(f"dspark serve: model {name!r} (speculation: {method}) on http://{args.host}:{args.port}/v1", flush=True)
+    print(f"dspark serve: {engine.precision.describe()}", flush=True)
     warning = bind_warning(args.host, config.api_key)
     if warning:
         print(warning, file=sys.stderr, flush=True)
@@ -83,6 +85,7 @@ def _engine(args: argparse.Namespace) -> Engine:
         model,
         spec,
         dtype=args.dtype,
+        quantization=args.quantization,
         attention_backend=args.attention_backend,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
@@ -132,7 +135,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--num-pages", type=int, default=None, help="KV cache pages (default: sized for max-num-seqs)")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--dtype", default=d.dtype, choices=DTYPES)
+    add_precision_args(p)
     p.add_argument(
         "--attention-backend",
         default=None,

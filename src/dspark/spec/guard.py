@@ -8,7 +8,12 @@ per second of speculative rounds and of plain steps (exponential moving averages
 the faster mode lead, and every ``period`` steps of the leader runs ``probe`` steps of the other mode to refresh
 its estimate (the text, the depth and the machine's load drift). Either mode samples from the target's
 distribution, so switching never changes what a request can produce (greedy output is identical token for token);
-only seeded sampled output, which depends on the rounds taken, may differ from run to run.
+only seeded sampled output, which depends on the rounds taken, would differ from run to run, so the engine leaves a
+step with a seeded sampled request out of the guard (it drafts).
+
+It is on by default (``speculation_guard`` in the speculative config): where a round costs more than its accepted
+tokens repay (a weak drafter, quantized target weights that make plain steps cheap, a slow host), drafting goes off
+after the first probe and ``describe()`` says when and why (``dspark generate`` prints it).
 """
 
 from __future__ import annotations
@@ -42,6 +47,12 @@ class _Bucket:
     leader_drafts: bool = True  # speculation leads until plain steps have been measured against it
     until_probe: int = 0  # leader steps left before the next probe
     probe_left: int = 0  # probe steps (the other mode) still to run
+    off_at: int | None = None  # the bucket's step count when drafting last lost the lead (None: it never did)
+    off_rates: tuple[float, float, float] = (0.0, 0.0, 0.0)  # then: round tok/s, plain tok/s, tokens per round
+
+    @property
+    def steps(self) -> int:
+        return self.draft.steps + self.plain.steps
 
 
 @dataclass
@@ -86,7 +97,10 @@ class SpeculationGuard:
     def _elect(self, b: _Bucket) -> None:
         """After a probe: the faster measured mode leads for the next ``period`` steps."""
         if b.draft.steps and b.plain.steps:
+            drafted = b.leader_drafts
             b.leader_drafts = b.draft.rate >= b.plain.rate
+            if drafted and not b.leader_drafts:
+                b.off_at, b.off_rates = b.steps, (b.draft.rate, b.plain.rate, b.draft.tokens)
         b.until_probe = self.period
 
     def report(self) -> dict[str, dict[str, float | int | bool]]:
@@ -100,5 +114,27 @@ class SpeculationGuard:
                 "draft_steps": b.draft.steps,
                 "plain_steps": b.plain.steps,
                 "drafting": b.leader_drafts,
+                "switched_off_at_step": b.off_at,
             }
         return out
+
+    def describe(self) -> list[str]:
+        """One line per batch-size bucket: drafting on or off, and why (the measured rates)."""
+        lines = []
+        for size, b in zip(self.report(), (self.buckets[k] for k in sorted(self.buckets))):
+            where = f"batch size {size}"
+            if not b.plain.steps:
+                lines.append(f"{where}: drafting on ({b.draft.steps} rounds, plain decoding not measured yet)")
+            elif b.leader_drafts:
+                lines.append(
+                    f"{where}: drafting on: rounds {b.draft.rate:.1f} tok/s >= plain steps {b.plain.rate:.1f} tok/s"
+                    + (f" (it was off from step {b.off_at})" if b.off_at is not None else "")
+                )
+            else:
+                draft, plain, tokens = b.off_rates
+                lines.append(
+                    f"{where}: drafting switched off at step {b.off_at}: speculative steps emitted {tokens:.2f} "
+                    f"tokens each, {draft:.1f} tok/s, plain steps {plain:.1f} tok/s (a round costs more than its "
+                    f"accepted tokens repay); re-measured {self.probe} rounds every {self.period} steps"
+                )
+        return lines

@@ -31,7 +31,8 @@ class ConfidenceRecorder:
 
     Wraps the engine instance's accept/commit phase (the engine class is untouched); the accepted count is read
     back from the commit (num_computed advances by accepted + 1). Rounds verifying fewer than K drafts (a request
-    near its max_tokens) are skipped: their labels are clipped.
+    near its max_tokens) are skipped: their labels are clipped. The speculation guard is set aside meanwhile: every
+    step drafts.
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -39,24 +40,28 @@ class ConfidenceRecorder:
         self.logits: list[list[float]] = []
         self.accepted: list[int] = []
         self._inner = engine._accept_and_commit
+        self._guard = engine.guard
 
     def __enter__(self) -> ConfidenceRecorder:
         self.engine._accept_and_commit = self._record  # type: ignore[method-assign]
+        self.engine.guard = None
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.engine._accept_and_commit = self._inner  # type: ignore[method-assign]
+        self.engine.guard = self._guard
 
-    def _record(self, reqs, proposal, lengths, logits, sampling) -> None:  # same signature as the engine's
+    def _record(self, reqs, proposal, lengths, logits, sampling) -> int:  # same signature as the engine's
         before = [r.num_computed for r in reqs]
-        self._inner(reqs, proposal, lengths, logits, sampling)
+        emitted = self._inner(reqs, proposal, lengths, logits, sampling)  # tokens emitted (the guard reads them)
         if proposal is None or proposal.confidence is None:
-            return
+            return emitted
         conf = proposal.confidence.float().tolist()
         for i, req in enumerate(reqs):
             if lengths[i] == self.engine.K:
                 self.logits.append(conf[i][: self.engine.K])
                 self.accepted.append(req.num_computed - before[i] - 1)
+        return emitted
 
     @property
     def data(self) -> CalibrationData:
