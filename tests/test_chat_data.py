@@ -150,7 +150,7 @@ def test_a_packaged_alias_target_pairs_with_its_shipped_drafters(tmp_path: Path,
     for d in pair:
         d.mkdir()
         (d / "config.json").write_text("{}")
-    monkeypatch.setattr(llm, "ALIAS_DRAFTS", {"smollm2-135m-instruct": pair})
+    monkeypatch.setattr(resolve, "ALIAS_DRAFTS", {"smollm2-135m-instruct": pair})
     target = export_dir_for(gguf)
     assert llm.shipped_drafts(target) == pair and llm.shipped_drafts(tmp_path) is None
     assert llm.resolve_draft(SpeculativeConfig(method="dflash"), target) == pair[1]
@@ -161,10 +161,10 @@ def test_a_packaged_alias_target_pairs_with_its_shipped_drafters(tmp_path: Path,
 def test_generate_defaults_to_dspark_for_a_target_with_shipped_drafters(tmp_path: Path, monkeypatch) -> None:
     import argparse
 
-    import dspark.llm as llm
+    import dspark.checkpoint.resolve as resolve
     from dspark.cli_common import default_spec
 
-    monkeypatch.setattr(llm, "shipped_drafts", lambda d: (d, d) if Path(d).name == "shipped" else None)
+    monkeypatch.setattr(resolve, "shipped_drafts", lambda d: (d, d) if Path(d).name == "shipped" else None)
     (tmp_path / "shipped").mkdir()
     (tmp_path / "plain").mkdir()
     args = argparse.Namespace(no_spec=False, speculative_config=None, model=str(tmp_path / "shipped"))

@@ -69,6 +69,24 @@ def test_restricted_logits_are_rows_of_the_full_ones():
     torch.testing.assert_close(full.sum(), q.sum())
 
 
+def test_a_quantized_lm_head_keeps_its_draft_rows_quantized():
+    from types import SimpleNamespace
+
+    from dspark.models.quantized import QuantLinear, QuantWeight
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (50, 2, 34), dtype=torch.uint8, generator=g)  # Q8_0 rows of width 64
+    blocks[..., :2] = (torch.rand(50, 2, 1, generator=g) * 0.01 + 1e-3).half().view(torch.uint8)
+    head = QuantLinear(QuantWeight("Q8_0", blocks.view(50, -1).contiguous()))
+    ids = torch.tensor([49, 3, 20])
+    vocab = DraftVocab.for_drafter(SimpleNamespace(lm_head=head, markov_head=None), ids)
+    assert isinstance(vocab.lm_head, QuantLinear) and vocab.markov_w2 is None  # blocks kept, not dense fp32 rows
+    assert vocab.lm_head.qweight.nbytes == 3 * 68
+    h = torch.randn(2, 7, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(vocab.lm_head(h), head(h)[..., ids])
+
+
 def test_engines_sharing_one_loaded_drafter_keep_their_own_draft_vocab(tmp_path):
     from dspark.llm import build_engines
 

@@ -13,7 +13,7 @@ from dspark.config import GQATargetConfig
 from dspark.models.drafter import DSparkDrafter
 from dspark.models.loading import save_drafter
 from dspark.models.tiny import randomize_
-from dspark.train.trainer import draft_config_for
+from dspark.train.draft_config import draft_config_for
 from gguf_fixtures import VOCAB_SIZE, write_gguf
 
 

@@ -292,8 +292,8 @@ def test_served_draft_distribution_equals_the_training_forward_at_depth():
     confidence logits agree. Anything the serving path reads differently at depth (positions, chunk boundaries,
     page order, context injection) breaks this."""
     from dspark.train.anchors import block_inputs
+    from dspark.train.draft_model import BlockForward
     from dspark.train.features import target_features
-    from dspark.train.trainer import BlockForward
 
     target, drafter = long_pair(3)
     ids = torch.randint(4, 96, (230,), generator=torch.Generator().manual_seed(11)).tolist()

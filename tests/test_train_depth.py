@@ -11,9 +11,10 @@ import torch
 
 from dspark.models.tiny import build_tiny_gqa_pair, build_tiny_hybrid_pair, build_tiny_pair, tiny_target_config
 from dspark.train.anchors import depth_labels, depth_summary, sample_anchors, tau_by_depth
+from dspark.train.draft_config import DraftTrainConfig
 from dspark.train.features import target_features
 from dspark.train.regenerate import DraftDataset
-from dspark.train.trainer import DraftTrainConfig, DraftTrainer
+from dspark.train.trainer import DraftTrainer
 
 
 def _long_target():
@@ -183,7 +184,7 @@ def test_prompt_anchors_add_distilled_blocks_over_the_prompt():
     """prompt_anchors=n keeps a sample's response anchors (same draws) and adds up to n distinct anchors before its
     first response token, whose labels (the prompt text, then the response) are supervised; kept anchors come
     first."""
-    from dspark.train.trainer import DraftTrainConfig, make_block_batch
+    from dspark.train.draft_batches import make_block_batch
 
     rng = np.random.default_rng(0)
     samples = []

@@ -13,21 +13,14 @@ import torch.multiprocessing as mp
 
 from dspark.models.loading import draft_roster, load_drafter
 from dspark.models.tiny import build_tiny_pair, write_tiny_pair
+from dspark.train.distributed import Dist, shutdown_distributed
+from dspark.train.draft_batches import step_samples
+from dspark.train.draft_config import DraftTrainConfig, draft_config_for, spread_taps
+from dspark.train.draft_model import BlockForward, warm_start_
 from dspark.train.features import FeatureCache, prepare_features, target_features
-from dspark.train.pretrain import default_target_config
+from dspark.train.pretrain_config import default_target_config
 from dspark.train.regenerate import DraftDataset, corpus_prompts, cut_points
-from dspark.train.trainer import (
-    BlockForward,
-    Dist,
-    DraftTrainConfig,
-    DraftTrainer,
-    draft_config_for,
-    shutdown_distributed,
-    spread_taps,
-    step_samples,
-    train_draft,
-    warm_start_,
-)
+from dspark.train.trainer import DraftTrainer, train_draft
 
 V = 96  # tiny vocab
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from dspark.models.tiny import write_tiny_pair
+from dspark.train.draft_batches import step_samples, step_tokens, steps_for_tokens
 from dspark.train.draft_cli import run_state
 from dspark.train.regenerate import DraftDataset
-from dspark.train.trainer import step_samples, step_tokens, steps_for_tokens
 
 V = 96
 
@@ -120,7 +120,8 @@ def test_training_over_a_reduced_vocabulary_touches_only_its_rows_and_exports_it
     from dataclasses import replace
 
     from dspark.models.tiny import build_tiny_pair
-    from dspark.train.trainer import DraftTrainConfig, train_draft
+    from dspark.train.draft_config import DraftTrainConfig
+    from dspark.train.trainer import train_draft
 
     torch.manual_seed(0)
     target, _ = build_tiny_pair(0)
@@ -150,7 +151,8 @@ def test_training_over_a_reduced_vocabulary_touches_only_its_rows_and_exports_it
 
 def test_drafter_layers_can_start_from_target_layers() -> None:
     from dspark.models.tiny import build_tiny_pair
-    from dspark.train.trainer import DraftTrainConfig, build_drafter
+    from dspark.train.draft_config import DraftTrainConfig
+    from dspark.train.draft_model import build_drafter
 
     torch.manual_seed(0)
     target, _ = build_tiny_pair(0)

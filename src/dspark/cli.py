@@ -26,18 +26,13 @@ if TYPE_CHECKING:
 
 
 def cmd_roster(args: argparse.Namespace) -> int:
-    from dspark.checkpoint.resolve import resolve_model_ref
     from dspark.checkpoint.roster import format_roster, roster_json
-    from dspark.config import DraftConfig, KimiLinearConfig
-    from dspark.models.loading import draft_roster, kimi_roster, read_config_any, target_roster
+    from dspark.models.families import MLA
+    from dspark.models.loading import read_config_any
+    from dspark.models.spec import resolve_spec
 
-    cfg = read_config_any(resolve_model_ref(args.config, role="roster"))
-    if isinstance(cfg, DraftConfig):
-        roster = draft_roster(cfg)
-    elif isinstance(cfg, KimiLinearConfig):
-        roster = kimi_roster(cfg)
-    else:
-        roster = target_roster(cfg)
+    spec = resolve_spec(args.config, role="roster")
+    roster = (spec.family or MLA).roster(read_config_any(spec), ())  # no family: DeepSeek-V3's config rejects it
     if args.json:
         print(json.dumps(roster_json(roster)))
     else:
@@ -99,6 +94,7 @@ def _bundled_target(draft: Path | None) -> Path | None:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from dspark.doctor import CheckReport, format_report, report_json, run_checks
+    from dspark.models.spec import one_read_per_model
 
     problems: list[CheckProblem] = []
     draft = _resolve_for_check(args.draft_dir, "check DRAFT", problems)
@@ -106,8 +102,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         target = _resolve_for_check(args.target, "check --target", problems)
     else:
         target = _bundled_target(draft)
-    report = CheckReport(tuple(problems), (), ()) if problems else run_checks(draft, target)
-    precision = None if problems else _serving_precision(target)
+    with one_read_per_model():  # the checks and the precision line read each model once
+        report = CheckReport(tuple(problems), (), ()) if problems else run_checks(draft, target)
+        precision = None if problems else _serving_precision(target)
     if args.json:
         print(json.dumps(report_json(report) | ({"precision": precision.to_json()} if precision else {})))
     else:
@@ -172,7 +169,8 @@ def cmd_train_target(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from dataclasses import replace
 
-    from dspark.train.pretrain import PretrainConfig, kimi_k3_mini_config, tiny_pretrain_config, train_target
+    from dspark.train.pretrain import train_target
+    from dspark.train.pretrain_config import PretrainConfig, kimi_k3_mini_config, tiny_pretrain_config
 
     default = kimi_k3_mini_config() if args.kimi_k3_mini else PretrainConfig()
     data_dir, out_dir = args.data_dir or default.data_dir, args.out_dir or default.out_dir
@@ -219,13 +217,13 @@ def _tiny_data(data_dir: str) -> str:
 
 
 def add_train_target(sub: argparse._SubParsersAction) -> None:
-    # defaults live in dspark.train.pretrain.PretrainConfig (not imported here: it pulls in torch)
+    # defaults live in dspark.train.pretrain_config.PretrainConfig (imported only when the command runs)
     p = sub.add_parser(
         "train-target",
         help="pretrain the small K3-style MLA target (DeepSeek-V3 format) on the tokenized corpus",
         description="Checkpoints to OUT_DIR/checkpoint/last.pt; exports OUT_DIR/export "
         "(config.json, model.safetensors, tokenizer, training_log.json). Unset options take the "
-        "defaults of dspark.train.pretrain.PretrainConfig (or tiny_pretrain_config with --tiny).",
+        "defaults of dspark.train.pretrain_config.PretrainConfig (or tiny_pretrain_config with --tiny).",
     )
     p.add_argument(
         "--data-dir",

@@ -107,7 +107,7 @@ def positive_int(text: str) -> int:
 
 def model_or_demo(model: str | None) -> tuple[str | None, bool]:
     """The model dir; without one and without the bundled pair, a tiny random pair built on the fly (demo)."""
-    from dspark.llm import bundled_available
+    from dspark.checkpoint.resolve import bundled_available
 
     if model is not None or bundled_available():
         return model, False
@@ -148,8 +148,7 @@ def default_spec(args: argparse.Namespace, demo_dir: str | None) -> str | None:
 
 def _has_shipped_drafter(model: str) -> bool:
     """A target with drafters shipped in the package (e.g. the ``smollm2-135m-instruct`` alias)."""
-    from dspark.checkpoint.resolve import resolve_model_ref
-    from dspark.llm import shipped_drafts
+    from dspark.checkpoint.resolve import resolve_model_ref, shipped_drafts
 
     try:
         return shipped_drafts(resolve_model_ref(model, role="model")) is not None

@@ -8,96 +8,47 @@ from pathlib import Path
 from typing import Any
 
 from dspark.checkpoint.resolve import (
-    BUNDLED,
-    BUNDLED_DIR,
-    BUNDLED_NAMES,
-    bundled_drafters,
-    bundled_model_at,
-    resolve_model_ref,
+    BUNDLED_DFLASH,
+    BUNDLED_DRAFT,
+    BUNDLED_PAIRS,
+    BUNDLED_TARGET,
+    DEFAULT_PAIR,
+    MLA_DRAFT,
+    MLA_TARGET,
+    OFFICIAL_DRAFT_CONFIG,
+    bundled_available,
+    resolve_draft,
+    resolve_model,
+    shipped_drafts,
 )
 from dspark.config import CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
 from dspark.doctor.gate import check_before_load, check_finite
 from dspark.engine.engine import Engine, RequestOutput, load_adaptive
 from dspark.engine.metrics import EngineMetrics
 from dspark.models.loading import load_drafter, load_target
+from dspark.models.spec import model_spec, one_read_per_model
 from dspark.precision import resolve_precision
 from dspark.sampling_params import SamplingParams
 from dspark.spec.guard import SpeculationGuard
 from dspark.tokenizer import load_tokenizer
 
-ASSETS = BUNDLED_DIR
-
-
-def _drafter_pair(target: str) -> tuple[Path, Path]:
-    drafters = bundled_drafters(target)
-    return drafters["dspark"].path, drafters["dflash"].path
-
-
-# Derived from the one registry of bundled models (dspark.checkpoint.resolve.BUNDLED).
-# name → (target, DSpark drafter, DFlash drafter); the default pair is the K3-shaped hybrid (kimi_linear), the
-# DeepSeek-V3-shaped k3-mini stays (vLLM's CPU build can run it)
-BUNDLED_PAIRS = {n: (BUNDLED[n].path, *_drafter_pair(n)) for n in BUNDLED_NAMES}
-DEFAULT_PAIR = next((n for n in BUNDLED_NAMES if BUNDLED[n].available), BUNDLED_NAMES[0])
-BUNDLED_TARGET, BUNDLED_DRAFT, BUNDLED_DFLASH = BUNDLED_PAIRS[DEFAULT_PAIR]
-MLA_TARGET, MLA_DRAFT, MLA_DFLASH = BUNDLED_PAIRS["k3-mini"]
-OFFICIAL_DRAFT_CONFIG = ASSETS / "formats" / "kimi-k3-dspark.config.json"  # Inferact/Kimi-K3-DSpark
-# (DSpark, DFlash) drafters shipped for packaged-alias targets (targets that are not bundled themselves)
-ALIAS_DRAFTS = {
-    m.target: _drafter_pair(m.target) for m in BUNDLED.values() if m.is_drafter and m.target not in BUNDLED_NAMES
-}
-
-
-def bundled_available() -> bool:
-    return (BUNDLED_TARGET / "config.json").exists() and (BUNDLED_DRAFT / "config.json").exists()
-
-
-def resolve_model(model: str | Path | None) -> Path:
-    """The local HF directory of a model reference (directory, ``.gguf`` file, alias, hub id in the local
-    HF/ModelScope cache; see dspark.checkpoint.resolve); the bundled target by default."""
-    if model is not None:
-        path = resolve_model_ref(model, role="model")
-        entry = bundled_model_at(path)
-        if entry is not None and entry.is_drafter:
-            raise ConfigError(
-                f"model {str(model)!r} is the bundled {entry.role} drafter of {entry.target!r}, not a target; pass "
-                f'--model {entry.target} with --speculative-config \'{{"method": "{entry.role}", "model": '
-                f'"{entry.name}"}}\''
-            )
-        return path
-    if not (BUNDLED_TARGET / "config.json").exists():
-        raise ConfigError(
-            f"no --model given and the bundled model is missing at {BUNDLED_TARGET}; pass --model DIR "
-            f"(a model directory) or one of {list(BUNDLED_NAMES)}"
-        )
-    return BUNDLED_TARGET
-
-
-def shipped_drafts(target_dir: Path) -> tuple[Path, Path] | None:
-    """The (DSpark, DFlash) drafter directories shipped for a target: a bundled pair's, or the drafters of a
-    packaged alias whose cached export ``target_dir`` is."""
-    from dspark.checkpoint.resolve import is_alias_export
-
-    for target, dspark, dflash in BUNDLED_PAIRS.values():
-        if target_dir.resolve() == target.resolve():
-            return dspark, dflash
-    for alias, pair in ALIAS_DRAFTS.items():
-        if (pair[0] / "config.json").exists() and is_alias_export(target_dir, alias):
-            return pair
-    return None
-
-
-def resolve_draft(spec: SpeculativeConfig, target_dir: Path) -> Path | None:
-    if spec.method == "ngram":
-        return None
-    if spec.model:
-        return resolve_model_ref(spec.model, role="speculative config: model")
-    shipped = shipped_drafts(target_dir)
-    if shipped is not None:
-        dspark, dflash = shipped
-        return dflash if spec.method == "dflash" and (dflash / "config.json").exists() else dspark
-    raise ConfigError(
-        f"speculative config: method '{spec.method}' needs 'model' (the draft directory) for target {target_dir}"
-    )
+__all__ = [  # the bundled-model names live in dspark.checkpoint.resolve; importable from here as before
+    "BUNDLED_DFLASH",
+    "BUNDLED_DRAFT",
+    "BUNDLED_PAIRS",
+    "BUNDLED_TARGET",
+    "DEFAULT_PAIR",
+    "LLM",
+    "MLA_DRAFT",
+    "MLA_TARGET",
+    "OFFICIAL_DRAFT_CONFIG",
+    "build_engine",
+    "build_engines",
+    "bundled_available",
+    "resolve_draft",
+    "resolve_model",
+    "shipped_drafts",
+]
 
 
 def _parse_spec(spec: str | Mapping[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -106,6 +57,7 @@ def _parse_spec(spec: str | Mapping[str, Any] | SpeculativeConfig | None) -> Spe
     return SpeculativeConfig.parse(spec)
 
 
+@one_read_per_model()  # the resolver, the doctor, the loaders and the tokenizer share one read of each model
 def build_engines(
     model: str | Path | None,
     speculative_configs: Sequence[str | Mapping[str, Any] | SpeculativeConfig | None],
@@ -128,7 +80,8 @@ def build_engines(
     target_dir = resolve_model(model)
     specs = [_parse_spec(s) for s in speculative_configs]
     EngineConfig(dtype=dtype, quantization=quantization)  # refuse a bad name before anything is read
-    precision = resolve_precision(target_dir, dtype, quantization)
+    target_spec = model_spec(target_dir)
+    precision = resolve_precision(target_spec, dtype, quantization)
     dtype = precision.dtype
     ecfg = EngineConfig(
         max_num_seqs=max_num_seqs,
@@ -143,11 +96,11 @@ def build_engines(
     cache = CacheConfig(page_size=page_size, num_pages=num_pages, swap_space=swap_space)
     draft_dirs = [resolve_draft(spec, target_dir) if spec is not None else None for spec in specs]
     check_before_load(target_dir, draft_dirs)  # the doctor refuses what `dspark check` rejects
-    target = load_target(target_dir, dtype, precision.quantization)  # only the target is quantized
+    target = load_target(target_spec, dtype, precision.quantization)  # only the target is quantized
     check_finite(target, f"target {target_dir}")
     _set_target_backend(target, ecfg.target_attention_backend)
     tcfg = target.config
-    tok = load_tokenizer(target_dir, tcfg.vocab_size, tcfg.eos_token_ids, tcfg.bos_token_id)
+    tok = load_tokenizer(target_spec, tcfg.vocab_size, tcfg.eos_token_ids, tcfg.bos_token_id)
     drafters: dict[tuple[Path, str | None], Any] = {}  # one drafter per (directory, attention backend)
     engines = []
     for spec, draft_dir in zip(specs, draft_dirs):

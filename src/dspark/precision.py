@@ -17,11 +17,15 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from dspark.config import AUTO, DTYPE_CHOICES, ConfigError, read_json
+from dspark.config import AUTO, DTYPE_CHOICES, ConfigError
 from dspark.threads import cpu_model, read_cache, write_cache
+
+if TYPE_CHECKING:
+    from dspark.models.spec import ModelSpec
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 instructions that multiply bf16 without converting it first
 
@@ -106,11 +110,10 @@ def choose_dtype(dtype: str, quantization: str) -> tuple[str, str]:
     return name, f"auto: {why}"
 
 
-def resolve_precision(target_dir: str | Path, dtype: str = AUTO, quantization: str = AUTO) -> Precision:
-    """The target's weight format, then its dtype (which depends on it), for a model directory."""
+def resolve_precision(target: str | Path | ModelSpec, dtype: str = AUTO, quantization: str = AUTO) -> Precision:
+    """The target's weight format, then its dtype (which depends on it), for a model directory (or its spec)."""
     from dspark.models.loading import choose_quantization
 
-    path = Path(target_dir)
-    quant, quant_why = choose_quantization(path, read_json(path), quantization)
+    quant, quant_why = choose_quantization(target, quantization)
     name, dtype_why = choose_dtype(dtype, quant)
     return Precision(name, quant, cpu_capability(), dtype_why, quant_why)

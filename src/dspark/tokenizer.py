@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dspark.config import RANDOM_WEIGHTS_KEY, ConfigError, read_json
+from dspark.config import RANDOM_WEIGHTS_KEY, ConfigError
+
+if TYPE_CHECKING:
+    from dspark.models.spec import ModelSpec
 
 # vocabulary files any one of which makes a directory a tokenizer directory for AutoTokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -57,12 +60,12 @@ class IncrementalDetokenizer:
 class HFTokenizer:
     """The thin adapter over ``transformers.AutoTokenizer`` the engine and the server use."""
 
-    def __init__(self, directory: str | Path, eos_token_ids: Sequence[int] = ()) -> None:
-        from transformers import AutoTokenizer
+    def __init__(self, directory: str | Path | ModelSpec, eos_token_ids: Sequence[int] = ()) -> None:
+        from dspark.models.spec import model_directory
 
-        self.directory = Path(directory)
+        self.directory = model_directory(directory)
         try:
-            self.tok = AutoTokenizer.from_pretrained(str(self.directory), local_files_only=True)
+            self.tok = _auto_tokenizer(directory)
         except (OSError, ValueError, TypeError) as e:
             raise ConfigError(
                 f"{self.directory}: transformers.AutoTokenizer cannot load this tokenizer ({e}); re-download "
@@ -145,22 +148,38 @@ class ByteTokenizer:
         return self.encode(self.apply_chat_template(messages))
 
 
+def _auto_tokenizer(model: str | Path | ModelSpec) -> Any:
+    """AutoTokenizer for a model directory: its spec's (config.json already read, the tokenizer loaded once per
+    command), or transformers' own reading when the directory has no usable config.json (a tokenizer-only one)."""
+    from dspark.models.spec import ConfigFileError, model_spec
+
+    try:
+        spec = model_spec(model)
+    except ConfigFileError:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(model), local_files_only=True)
+    return spec.tokenizer_backend
+
+
 def has_tokenizer(directory: str | Path) -> bool:
     return any((Path(directory) / name).is_file() for name in TOKENIZER_FILES)
 
 
 def load_tokenizer(
-    directory: str | Path,
+    directory: str | Path | ModelSpec,
     vocab_size: int | None = None,
     eos_token_ids: Sequence[int] = (),
     bos_token_id: int | None = None,
 ) -> HFTokenizer | ByteTokenizer:
     """The model directory's tokenizer (AutoTokenizer). Without tokenizer files only a model marked as explicitly
     random test weights (config.json key ``dspark_random_weights``) gets bytes; anything else is an error."""
-    directory = Path(directory)
+    from dspark.models.spec import model_directory, model_spec
+
+    model, directory = directory, model_directory(directory)
     if has_tokenizer(directory):
-        return HFTokenizer(directory, eos_token_ids)
-    config = read_json(directory) if (directory / "config.json").is_file() else {}
+        return HFTokenizer(model, eos_token_ids)
+    config = model_spec(model).raw if (directory / "config.json").is_file() else {}
     if config.get(RANDOM_WEIGHTS_KEY) is True:
         return ByteTokenizer(vocab_size or int(config["vocab_size"]), eos_token_ids, bos_token_id)
     raise FileNotFoundError(

@@ -23,6 +23,7 @@ from dspark.bench.acceptance import SpecCounters
 from dspark.bench.methods import Measurement
 from dspark.config import TargetConfig
 from dspark.models.loading import torch_dtype
+from dspark.models.spec import model_spec
 from dspark.sampling_params import SamplingParams
 
 VLLM_WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
@@ -41,9 +42,13 @@ def load_hf_target(target_dir: str | Path, dtype: str) -> Any:
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch_dtype(dtype)).eval()
+    config = model_spec(target_dir).hf_config  # the config the bench already read: config.json is not read again
     # transformers merges the model's generation_config into every call; keep EOS out of it so that
     # ignore_eos can turn stopping off (EOS is passed per call instead)
+    generation = GenerationConfig(bos_token_id=config.bos_token_id)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(target_dir), config=config, generation_config=generation, dtype=torch_dtype(dtype)
+    ).eval()
     model.generation_config = GenerationConfig(bos_token_id=model.config.bos_token_id)
     return model
 

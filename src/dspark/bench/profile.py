@@ -185,8 +185,7 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def _resolve(args: argparse.Namespace) -> tuple[Path, Path | None]:
-    from dspark.checkpoint.resolve import resolve_model_ref
-    from dspark.llm import resolve_model, shipped_drafts
+    from dspark.checkpoint.resolve import resolve_model, resolve_model_ref, shipped_drafts
 
     target_dir = resolve_model(args.model)
     if args.no_draft:

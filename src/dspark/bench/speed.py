@@ -24,8 +24,10 @@ from typing import Any
 from dspark.bench.acceptance import sum_counters
 from dspark.bench.baselines import HFGenerate, VLLMError, VLLMMethod
 from dspark.bench.methods import EngineMethod, Measurement, Method
-from dspark.config import ConfigError, DraftConfig, EngineConfig, KimiLinearConfig, SpeculativeConfig, TargetConfig
+from dspark.config import ConfigError, EngineConfig, KimiLinearConfig, SpeculativeConfig, TargetConfig
 from dspark.engine.metrics import DecodeTimes, tau_bound
+from dspark.models.loading import read_draft_config
+from dspark.models.spec import one_read_per_model
 from dspark.sampling_params import SamplingParams
 
 AR = "ar"
@@ -268,8 +270,7 @@ class Resolved:
 
 
 def resolve_dirs(cfg: BenchConfig) -> Resolved:
-    from dspark.checkpoint.resolve import resolve_model_ref
-    from dspark.llm import bundled_available, shipped_drafts
+    from dspark.checkpoint.resolve import bundled_available, resolve_model, resolve_model_ref, shipped_drafts
 
     if cfg.model is None and not bundled_available():
         import tempfile
@@ -285,8 +286,6 @@ def resolve_dirs(cfg: BenchConfig) -> Resolved:
         )
         demo, shipped = True, None
     else:
-        from dspark.llm import resolve_model
-
         target_dir, demo = resolve_model(cfg.model), False
         shipped = shipped_drafts(target_dir)  # the bundled pair's, or a packaged alias target's drafters
         draft_dir = resolve_model_ref(cfg.draft, role="--draft") if cfg.draft else None
@@ -337,7 +336,7 @@ def _applicable(cfg: BenchConfig, res: Resolved, notes: list[str]) -> list[str]:
     names = ["dflash"] if res.draft_dir is not None else []
     names += ["ngram"] + ([] if _peer_cannot_run(res.target_dir, "transformers", notes, HF_METHODS) else [*HF_METHODS])
     if res.draft_dir is not None:
-        if not DraftConfig.load(res.draft_dir).enable_confidence_head:
+        if not read_draft_config(res.draft_dir).enable_confidence_head:
             notes.append(f"dspark-adaptive: skipped ({res.draft_dir} has no confidence head)")
         elif _calibration_file(res) is not None:
             names.append("dspark-adaptive")
@@ -385,20 +384,23 @@ def _pages_needed(lengths: Sequence[int], concurrency: int, extra: int, page: in
     return sum(per[:concurrency])
 
 
+@one_read_per_model()  # each model's files are read once, shared by every method's engine and the doctor
 def run_bench(cfg: BenchConfig) -> BenchReport:
     """Build every method on one loaded target, then run all cells interleaved; see the module docstring."""
     from dspark.bench.datasets import depth_prompts, encode_prompt, read_bench_prompts, read_sources
     from dspark.models.loading import read_target_config
+    from dspark.models.spec import model_spec
     from dspark.precision import resolve_precision
     from dspark.tokenizer import load_tokenizer
 
     notes: list[str] = []
     res = resolve_dirs(cfg)
-    precision = resolve_precision(res.target_dir, cfg.dtype, cfg.quantization)
+    target = model_spec(res.target_dir)
+    precision = resolve_precision(target, cfg.dtype, cfg.quantization)
     cfg = replace(cfg, dtype=precision.dtype, quantization=precision.quantization)  # every method: the same dtype
-    tcfg = read_target_config(res.target_dir)
-    tok = load_tokenizer(res.target_dir, tcfg.vocab_size, tcfg.eos_token_ids, tcfg.bos_token_id)
-    block = DraftConfig.load(res.draft_dir).block_size if res.draft_dir is not None else None
+    tcfg = read_target_config(target)
+    tok = load_tokenizer(target, tcfg.vocab_size, tcfg.eos_token_ids, tcfg.bos_token_id)
+    block = read_draft_config(res.draft_dir).block_size if res.draft_dir is not None else None
     k = cfg.num_speculative_tokens or min(SpeculativeConfig().num_speculative_tokens, block or 32)
     max_len = min(tcfg.max_position_embeddings, 32768)
     budget = max_len - cfg.max_tokens - k - 1  # prompt tokens that leave room for the output and one draft block

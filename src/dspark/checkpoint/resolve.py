@@ -8,7 +8,12 @@ inside an installable package); a bundled model shipped in dspark itself (``BUND
 ``huggingface_hub``'s cache API with local files only) and then in the ModelScope cache (``MODELSCOPE_CACHE``,
 default ``~/.cache/modelscope/hub``). A GGUF file is exported once to a cached HF directory. Nothing here opens
 a network connection: a reference that is not on disk is an error naming it and the commands that fetch it.
-Resolve once, at the entry point; everything below takes the path.
+Resolve once, at the entry point; everything below takes the path (or the model's ``ModelSpec``,
+``dspark.models.spec.resolve_spec``).
+
+This module also holds the one registry of what dspark ships (``BUNDLED``) and what follows from it: the default
+target (``resolve_model``), the drafters shipped for a target (``shipped_drafts``) and the drafter a speculative
+config without ``model`` gets (``resolve_draft``).
 """
 
 from __future__ import annotations
@@ -19,24 +24,38 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from dspark.config import ConfigError
+from dspark.config import ConfigError, SpeculativeConfig
 
 __all__ = [
     "ALIASES",
+    "ALIAS_DRAFTS",
     "BUNDLED",
+    "BUNDLED_DFLASH",
+    "BUNDLED_DRAFT",
     "BUNDLED_NAMES",
+    "BUNDLED_PAIRS",
+    "BUNDLED_TARGET",
+    "DEFAULT_PAIR",
+    "MLA_DFLASH",
+    "MLA_DRAFT",
+    "MLA_TARGET",
+    "OFFICIAL_DRAFT_CONFIG",
     "BundledModel",
     "ModelNotFoundError",
     "ModelRef",
     "PackagedModel",
     "alias_path",
+    "bundled_available",
     "bundled_drafters",
     "bundled_model_at",
     "fetch_commands",
     "hf_hub_cache",
     "locate_model",
     "modelscope_cache",
+    "resolve_draft",
+    "resolve_model",
     "resolve_model_ref",
+    "shipped_drafts",
 ]
 
 # org/name with an optional @revision (branch, tag or commit hash); both parts as the hubs allow them
@@ -114,6 +133,28 @@ def bundled_model_at(path: str | Path) -> BundledModel | None:
     """The registry entry whose directory ``path`` is (by resolved path, so a path works as well as the name)."""
     p = Path(path).resolve()
     return next((m for m in BUNDLED.values() if m.path.resolve() == p), None)
+
+
+def _drafter_pair(target: str) -> tuple[Path, Path]:
+    drafters = bundled_drafters(target)
+    return drafters["dspark"].path, drafters["dflash"].path
+
+
+# name → (target, DSpark drafter, DFlash drafter); the default pair is the K3-shaped hybrid (kimi_linear), the
+# DeepSeek-V3-shaped k3-mini stays (vLLM's CPU build can run it)
+BUNDLED_PAIRS = {n: (BUNDLED[n].path, *_drafter_pair(n)) for n in BUNDLED_NAMES}
+DEFAULT_PAIR = next((n for n in BUNDLED_NAMES if BUNDLED[n].available), BUNDLED_NAMES[0])
+BUNDLED_TARGET, BUNDLED_DRAFT, BUNDLED_DFLASH = BUNDLED_PAIRS[DEFAULT_PAIR]
+MLA_TARGET, MLA_DRAFT, MLA_DFLASH = BUNDLED_PAIRS["k3-mini"]
+OFFICIAL_DRAFT_CONFIG = BUNDLED_DIR / "formats" / "kimi-k3-dspark.config.json"  # Inferact/Kimi-K3-DSpark
+# (DSpark, DFlash) drafters shipped for packaged-alias targets (targets that are not bundled themselves)
+ALIAS_DRAFTS = {
+    m.target: _drafter_pair(m.target) for m in BUNDLED.values() if m.is_drafter and m.target not in BUNDLED_NAMES
+}
+
+
+def bundled_available() -> bool:
+    return (BUNDLED_TARGET / "config.json").exists() and (BUNDLED_DRAFT / "config.json").exists()
 
 
 def alias_path(name: str) -> Path:
@@ -286,3 +327,54 @@ def resolve_model_ref(ref: str | os.PathLike[str], *, role: str = "model") -> Pa
 
         return export_gguf(found.path)
     return found.path
+
+
+# ---- what a command runs when it is not told: the default target, the drafters shipped for a target ----------
+
+
+def resolve_model(model: str | os.PathLike[str] | None) -> Path:
+    """The local HF directory of a model reference (directory, ``.gguf`` file, alias, hub id in the local
+    HF/ModelScope cache); the bundled target by default. A bundled drafter is refused as a target, naming the pair."""
+    if model is not None:
+        path = resolve_model_ref(model, role="model")
+        entry = bundled_model_at(path)
+        if entry is not None and entry.is_drafter:
+            raise ConfigError(
+                f"model {str(model)!r} is the bundled {entry.role} drafter of {entry.target!r}, not a target; pass "
+                f'--model {entry.target} with --speculative-config \'{{"method": "{entry.role}", "model": '
+                f'"{entry.name}"}}\''
+            )
+        return path
+    if not (BUNDLED_TARGET / "config.json").exists():
+        raise ConfigError(
+            f"no --model given and the bundled model is missing at {BUNDLED_TARGET}; pass --model DIR "
+            f"(a model directory) or one of {list(BUNDLED_NAMES)}"
+        )
+    return BUNDLED_TARGET
+
+
+def shipped_drafts(target_dir: Path) -> tuple[Path, Path] | None:
+    """The (DSpark, DFlash) drafter directories shipped for a target: a bundled pair's, or the drafters of a
+    packaged alias whose cached export ``target_dir`` is."""
+    for target, dspark, dflash in BUNDLED_PAIRS.values():
+        if target_dir.resolve() == target.resolve():
+            return dspark, dflash
+    for alias, pair in ALIAS_DRAFTS.items():
+        if (pair[0] / "config.json").exists() and is_alias_export(target_dir, alias):
+            return pair
+    return None
+
+
+def resolve_draft(spec: SpeculativeConfig, target_dir: Path) -> Path | None:
+    """The drafter directory a speculative config runs: its ``model``, else the one shipped for the target."""
+    if spec.method == "ngram":
+        return None
+    if spec.model:
+        return resolve_model_ref(spec.model, role="speculative config: model")
+    shipped = shipped_drafts(target_dir)
+    if shipped is not None:
+        dspark, dflash = shipped
+        return dflash if spec.method == "dflash" and (dflash / "config.json").exists() else dspark
+    raise ConfigError(
+        f"speculative config: method '{spec.method}' needs 'model' (the draft directory) for target {target_dir}"
+    )

@@ -221,6 +221,7 @@ def load_module_strict(
     rename: Rename | None = None,
     ignore_unexpected: Iterable[str] = (),
     extra_ok: Iterable[str] = (),
+    found: Mapping[str, TensorInfo] | None = None,
 ) -> None:
     """Load a checkpoint into ``module`` all-or-nothing.
 
@@ -229,7 +230,8 @@ def load_module_strict(
     ``torch.no_grad()``, cast to each tensor's dtype and device. ``ignore_unexpected``: fnmatch globs of
     checkpoint tensors the module does not use. ``extra_ok``: fnmatch globs (checkpoint names) of module
     tensors that may be absent from the checkpoint; they keep their current values (e.g. an embedding
-    borrowed from the target).
+    borrowed from the target). ``found``: the checkpoint's tensor table when the caller has read it already
+    (``ModelSpec.weights``); otherwise the headers are read here.
     """
     entries = _module_tensors(module, rename)
     meta = [mod_name for mod_name, t in entries.values() if t.is_meta]
@@ -239,7 +241,7 @@ def load_module_strict(
             "e.g. module.to_empty(device='cpu')"
         )
     expected = {name: _spec(t) for name, (_, t) in entries.items()}
-    found = list_checkpoint_tensors(path)
+    found = list_checkpoint_tensors(path) if found is None else found
     report = compare_roster(expected, found, ignore_unexpected=ignore_unexpected)
     ok_globs = tuple(extra_ok)
     report = replace(report, missing=tuple(n for n in report.missing if not any(fnmatchcase(n, g) for g in ok_globs)))

@@ -53,6 +53,7 @@ from dspark.doctor.weights import (
     check_target_roster,
     check_vocab,
 )
+from dspark.models.spec import one_read_per_model
 
 # ---------------------------------------------------------------------------------------- results
 
@@ -81,6 +82,8 @@ class CheckReport:
     @property
     def ok(self) -> bool:
         return not self.problems
+
+
 # ---------------------------------------------------------------------------------------- driver
 
 
@@ -177,7 +180,15 @@ def run_checks(
     *,
     only: tuple[str, ...] | None = None,
 ) -> CheckReport:
-    """Run the checks (``only``: these names) on a draft and/or its target; never raises on broken input."""
+    """Run the checks (``only``: these names) on a draft and/or its target; never raises on broken input. Each
+    model is read once (``one_read_per_model``: shared with the caller's command, e.g. the loader after the gate)."""
+    with one_read_per_model():
+        return _run_checks(draft_dir, target_dir, only)
+
+
+def _run_checks(
+    draft_dir: Path | str | None, target_dir: Path | str | None, only: tuple[str, ...] | None
+) -> CheckReport:
     draft = Path(draft_dir) if draft_dir is not None else None
     ctx = Context(draft, Path(target_dir) if target_dir is not None else None)
     problems: list[CheckProblem] = []

@@ -1,6 +1,7 @@
-"""What the doctor's checks read, each read once and lazily and never raising: the draft and target config.json
-(raw JSON first), the checkpoints' tensor tables (from their headers), the tokenizer files, and ``Context``, which
-hands them to the checks. A check that lacks an input raises ``Skip`` with the reason."""
+"""What the doctor's checks read, each read once and lazily and never raising: the draft's and the target's
+``ModelSpec`` (config.json as raw JSON first, the family, the checkpoint's tensor table from its headers: the same
+spec the loader then takes, inside one command), the tokenizer files, and ``Context``, which hands them to the
+checks. A check that lacks an input raises ``Skip`` with the reason."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from typing import Any
 from dspark.checkpoint.io import CheckpointError, Problem, TensorInfo, is_lfs_pointer, list_checkpoint_tensors
 from dspark.checkpoint.roster import TensorSpec
 from dspark.config import RANDOM_WEIGHTS_KEY, ConfigError, DraftConfig
+from dspark.models.families import Family
+from dspark.models.spec import ConfigFileError, ModelSpec, model_spec
 
 LM_HEAD_FILE = "lm_head.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
@@ -46,23 +49,29 @@ def id_set(v: Any) -> set[int]:
     return set()
 
 
-def read_raw(d: Path) -> tuple[dict[str, Any] | None, Problem | None]:
-    """config.json of directory d as a dict, or the problem that prevents reading it."""
+@dataclass(frozen=True)
+class SpecRead:
+    """A model directory's spec, or the problem that prevents reading its config.json."""
+
+    spec: ModelSpec | None
+    problem: Problem | None = None
+    lfs: bool = False  # config.json is a Git LFS pointer
+
+    @property
+    def raw(self) -> dict[str, Any] | None:
+        return dict(self.spec.raw) if self.spec is not None else None
+
+
+def read_spec(d: Path) -> SpecRead:
+    """The spec of directory d (config.json read once per command, shared with the loader)."""
     if not d.is_dir():
         what = "is not a directory" if d.exists() else "does not exist"
-        return None, Problem(f"{d} {what}", "pass a model directory holding config.json and model.safetensors")
-    p = d / "config.json"
-    if not p.is_file():
-        return None, Problem(f"{p} is missing", "copy config.json from the model's repository into the directory")
-    if is_lfs_pointer(p):
-        return None, Problem(f"{p} is a Git LFS pointer file, not the config", "run `git lfs pull`")
+        fix = "pass a model directory holding config.json and model.safetensors"
+        return SpecRead(None, Problem(f"{d} {what}", fix))
     try:
-        raw = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        return None, Problem(f"{p} is not valid JSON ({e})", "fix the file or re-download it")
-    if not isinstance(raw, dict):
-        return None, Problem(f"{p} holds a JSON {type(raw).__name__}, not an object", "re-download the file")
-    return raw, None
+        return SpecRead(model_spec(d))
+    except ConfigFileError as e:
+        return SpecRead(None, Problem(e.problem, e.fix), e.lfs)
 
 
 def text_config(raw: dict[str, Any]) -> dict[str, Any]:
@@ -98,7 +107,10 @@ class Scan:
     problems: tuple[Problem, ...]
 
 
-def scan_checkpoint(path: Path) -> Scan:
+def scan_checkpoint(path: Path, spec: ModelSpec | None = None) -> Scan:
+    """The tensors of a checkpoint: its spec's table (read once per command) when the spec could be read."""
+    if spec is not None:
+        return Scan(path, *spec.weight_scan)
     try:
         return Scan(path, list_checkpoint_tensors(path), ())
     except CheckpointError as e:
@@ -199,14 +211,20 @@ class Context:
         return self._draft_dir
 
     @cached_property
+    def draft_spec(self) -> SpecRead:
+        return read_spec(self.draft_dir)
+
+    @cached_property
+    def target_spec(self) -> SpecRead:
+        return read_spec(self.target_dir) if self.target_dir is not None else SpecRead(None)
+
+    @cached_property
     def draft_config_read(self) -> tuple[dict[str, Any] | None, Problem | None]:
-        return read_raw(self.draft_dir)
+        return self.draft_spec.raw, self.draft_spec.problem
 
     @cached_property
     def target_config_read(self) -> tuple[dict[str, Any] | None, Problem | None]:
-        if self.target_dir is None:
-            return None, None
-        return read_raw(self.target_dir)
+        return self.target_spec.raw, self.target_spec.problem
 
     @cached_property
     def draft_cfg_parse(self) -> tuple[DraftConfig | None, Problem | None]:
@@ -220,7 +238,7 @@ class Context:
 
     @cached_property
     def draft_scan(self) -> Scan:
-        return scan_checkpoint(self.draft_dir)
+        return scan_checkpoint(self.draft_dir, self.draft_spec.spec)
 
     @cached_property
     def lm_head_scan(self) -> Scan | None:
@@ -229,7 +247,9 @@ class Context:
 
     @cached_property
     def target_scan(self) -> Scan | None:
-        return scan_checkpoint(self.target_dir) if self.target_dir is not None and self.target_dir.is_dir() else None
+        if self.target_dir is None or not self.target_dir.is_dir():
+            return None
+        return scan_checkpoint(self.target_dir, self.target_spec.spec)
 
     @cached_property
     def tokenizer(self) -> TokenizerFiles:
@@ -246,7 +266,7 @@ class Context:
 
     @cached_property
     def draft_roster(self) -> dict[str, TensorSpec]:
-        from dspark.models.loading import draft_roster
+        from dspark.models.families import draft_roster
 
         return draft_roster(self.cfg(), include_embedding=False)
 
@@ -271,6 +291,20 @@ class Context:
         if raw is None:
             raise Skip("the target config.json is unusable: see target-config")
         return text_config(raw)
+
+    def target_family(self) -> Family | None:
+        """The target's native family (None: transformers serves it), as the loader will choose it."""
+        self.target()
+        assert self.target_spec.spec is not None
+        return self.target_spec.spec.family
+
+    def config_is_lfs_pointer(self, d: Path) -> bool:
+        """Whether d/config.json is a Git LFS pointer, from the read the configs already had (no second open)."""
+        if d == self._draft_dir:
+            return self.draft_spec.lfs
+        if d == self.target_dir:
+            return self.target_spec.lfs
+        return is_lfs_pointer(d / "config.json")
 
     def tensors(self) -> Mapping[str, TensorInfo]:
         """The draft model.safetensors tensors (from headers)."""

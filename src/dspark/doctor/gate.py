@@ -28,7 +28,8 @@ class LoadRefused(ConfigError):
 
 
 def check_before_load(target_dir: Path, draft_dirs: Iterable[Path | None]) -> None:
-    """Run the doctor's load checks on the target alone and with every draft; raise LoadRefused on a problem."""
+    """Run the doctor's load checks on the target alone and with every draft; raise LoadRefused on a problem.
+    Inside the caller's ``one_read_per_model`` block the doctor and the loader read each model once."""
     if not target_dir.is_dir():
         return  # not a directory (e.g. a bare file): the loader names what it needs
     for draft in dict.fromkeys([None, *draft_dirs]):

@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from dspark.checkpoint.io import Problem
-from dspark.config import MLA_MODEL_TYPES, RopeConfig, TargetConfig
+from dspark.config import RopeConfig
 from dspark.doctor.context import Context, as_int
+from dspark.models.families import MLA
 
 YARN_KEYS = (
     "factor",
@@ -240,8 +241,8 @@ def check_kv_cache(ctx: Context) -> list[Problem]:
     """An MLA target shares its latent pages with the draft: the draft's cached row must have the same width."""
     t = ctx.target()
     cfg = ctx.cfg()
-    if t.get("model_type", TargetConfig.model_type) not in MLA_MODEL_TYPES:
-        return []  # the target recomputes its prefix; the pool holds the draft's rows only
+    if ctx.target_family() is not MLA:
+        return []  # the check covers DeepSeek-V3-family targets and their latent pages
     tw, dw = _latent_width(t, gqa=False), _latent_width(ctx.raw(), gqa=cfg.is_gqa)
     if tw is None or dw is None or tw == dw:
         return []

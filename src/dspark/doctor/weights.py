@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from dspark.checkpoint.io import SINGLE_FILE, Problem, TensorInfo, is_lfs_pointer
 from dspark.checkpoint.roster import TensorSpec, compare_roster, report_problems
-from dspark.config import MLA_MODEL_TYPES, ConfigError, KimiLinearConfig, TargetConfig
+from dspark.config import ConfigError
 from dspark.doctor.context import (
     LM_HEAD_FILE,
     NEEDS_TARGET,
@@ -28,6 +28,7 @@ from dspark.doctor.context import (
     find_tensor,
     text_config,
 )
+from dspark.models.families import Family
 
 BF16_MAX = torch.finfo(torch.bfloat16).max
 _CHUNK_ELEMENTS = 1 << 24  # bf16/finiteness scan reads at most this many elements at once
@@ -71,7 +72,7 @@ def check_lfs_pointers(ctx: Context) -> list[Problem]:
         if d is None or not d.is_dir():
             continue
         for p in sorted(d.iterdir()):
-            if is_lfs_pointer(p):
+            if ctx.config_is_lfs_pointer(d) if p.name == "config.json" else is_lfs_pointer(p):
                 problems.append(
                     Problem(
                         f"{p} is a Git LFS pointer file ({p.stat().st_size} bytes), not the real file{_lfs_size(p)}",
@@ -339,28 +340,17 @@ def check_bf16(ctx: Context) -> list[Problem]:
 
 
 
-def _mla_roster(raw: dict[str, Any], src: Path) -> dict[str, TensorSpec]:
+def _native_roster(ctx: Context, family: Family, found: Mapping[str, TensorInfo]) -> dict[str, TensorSpec]:
+    """The tensors the family's loader expects for the target's config (built on the meta device)."""
+    spec = ctx.target_spec.spec
+    assert spec is not None
     try:
-        cfg = TargetConfig.from_dict(raw, source=str(src))
+        roster = family.roster(spec.config, found)
     except (ConfigError, TypeError, ValueError) as e:
         raise Skip(f"the target config.json does not parse ({e})") from e
-    from dspark.models.loading import target_roster
-
-    roster = target_roster(cfg)
-    if raw.get("tie_word_embeddings"):
+    if spec.raw.get("tie_word_embeddings"):
         roster.pop("lm_head.weight", None)
     return roster
-
-
-def _kimi_roster(raw: dict[str, Any], target_dir: Path) -> dict[str, TensorSpec]:
-    """Our kimi_linear roster (K3's additions included, which transformers' class lacks); no model import."""
-    from dspark.models.loading import _dense_prefix, kimi_roster
-
-    try:
-        cfg = KimiLinearConfig.from_dict(raw, source=str(target_dir / "config.json"))
-    except (ConfigError, TypeError, ValueError) as e:
-        raise Skip(f"the target config.json does not parse ({e})") from e
-    return kimi_roster(cfg, _dense_prefix(target_dir, cfg))
 
 
 def _hf_roster(raw: dict[str, Any]) -> dict[str, TensorSpec]:
@@ -384,19 +374,14 @@ def _hf_roster(raw: dict[str, Any]) -> dict[str, TensorSpec]:
 
 
 def check_target_roster(ctx: Context) -> list[Problem]:
-    """Every tensor the target's config.json implies is in its checkpoint, with its shape: our roster for MLA
-    and kimi_linear targets (strict), transformers' model class for the others (missing / wrong shape;
-    transformers would otherwise initialize a missing tensor at random and only warn)."""
+    """Every tensor the target's config.json implies is in its checkpoint, with its shape: the family's own roster
+    for every natively served target (strict, as its loader), transformers' model class for the others (missing /
+    wrong shape; transformers would otherwise initialize a missing tensor at random and only warn)."""
     raw = ctx.target()
-    assert ctx.target_dir is not None
     found = ctx.target_tensors()
-    if raw.get("model_type", TargetConfig.model_type) in MLA_MODEL_TYPES:
-        expected = _mla_roster(raw, ctx.target_dir / "config.json")
-        report = compare_roster(
-            expected, found, ignore_unexpected=("model.layers.*.mlp.experts.*.*_scale*", "lm_head.*")
-        )
-    elif raw.get("model_type") == "kimi_linear":
-        report = compare_roster(_kimi_roster(raw, ctx.target_dir), found, ignore_unexpected=("*_scale*",))
+    family = ctx.target_family()
+    if family is not None and family.is_target:
+        report = compare_roster(_native_roster(ctx, family, found), found, ignore_unexpected=family.roster_ignores)
     else:
         report = compare_roster(_hf_roster(raw), found, ignore_unexpected=("*",))
         report = replace(report, wrong_dtype=())

@@ -12,6 +12,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,14 +56,18 @@ class HFTarget(nn.Module):
         )
 
     @classmethod
-    def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, config: Mapping | None = None) -> HFTarget:
-        """``config``: the directory's config.json when the caller has read it already."""
+    def load(
+        cls, path: str | Path, dtype: torch.dtype = torch.float32, config: Mapping | None = None, hf_config: Any = None
+    ) -> HFTarget:
+        """``config``: the directory's config.json when the caller has read it already; ``hf_config``: the same as
+        a transformers config (then transformers does not read the file again)."""
         from transformers import AutoModelForCausalLM
 
         config = read_json(path) if config is None else config
         if "model_type" not in config:
             raise ConfigError(f"{path}/config.json: key 'model_type' is missing; is this an HF model directory?")
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        given = {} if hf_config is None else {"config": hf_config}
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **given)
         return cls(model.eval())
 
     @property

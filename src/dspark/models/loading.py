@@ -1,45 +1,52 @@
-"""Build models from HF-style directories and save them back, with strict roster checks.
+"""Load models from HF-style directories and save them back, with strict roster checks.
 
-One route for targets: ``load_target(dir)`` reads config.json once, picks the family from ``TARGET_FAMILIES`` by
-``model_type``, builds it and loads it strictly; architectures without a native family fall back to transformers.
+One route for targets: ``load_target(spec)`` takes the model's ``ModelSpec`` (config.json read once, the family
+chosen by ``dspark.models.families``), builds the family's model and loads it strictly; a target without a native
+family falls back to transformers. A path works too: it is read into a spec first.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import warnings
-from collections.abc import Callable, Mapping
-from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 import dspark.native as native
 from dspark.checkpoint.gguf import gguf_source, read_gguf_blocks
-from dspark.checkpoint.io import list_checkpoint_tensors, save_state_dict
-from dspark.checkpoint.roster import TensorSpec, load_module_strict, module_roster
+from dspark.checkpoint.io import save_state_dict
+from dspark.checkpoint.roster import load_module_strict
 from dspark.config import (
-    GQA_MODEL_TYPES,
     QUANTIZATIONS,
     ConfigError,
     DraftConfig,
     GQATargetConfig,
     KimiLinearConfig,
     TargetConfig,
-    read_json,
 )
 from dspark.models.drafter import DSparkDrafter
+from dspark.models.families import (  # noqa: F401 (re-exported: the rosters' historical home)
+    DSPARK,
+    KIMI_LINEAR,
+    dense_prefix,
+    draft_roster,
+    kimi_rename,
+    kimi_roster,
+    target_roster,
+)
 from dspark.models.hf_target import HFTarget
-from dspark.models.k3 import K3MoE
-from dspark.models.kimi_linear import HybridLayer, KimiLinearTarget, checkpoint_name
+from dspark.models.kimi_linear import KimiLinearTarget
 from dspark.models.layers import RMSNorm
-from dspark.models.llama import LlamaTarget
 from dspark.models.packing import Linear
 from dspark.models.protocol import Target
 from dspark.models.quantized import quantize_gguf_linears
-from dspark.models.target import MLATarget, MoE
+from dspark.models.spec import ModelSpec, model_spec
+from dspark.models.target import MLATarget
+
+SpecOrPath = str | os.PathLike[str] | ModelSpec  # a model directory, or its spec
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -57,63 +64,30 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
 # --------------------------------------------------------------------------------------------------------
 
 
-def target_roster(cfg: TargetConfig | GQATargetConfig) -> dict[str, TensorSpec]:
-    """Expected HF tensor names and shapes for a DeepSeek-V3 (or Llama-family) config, built on the meta device.
-
-    Layers of one kind (dense / MoE) have identical rosters, so one of each is built and its names are repeated
-    for every layer index: a 61-layer Kimi-K2 roster (~70k tensors) takes about a second.
-    """
-    if isinstance(cfg, GQATargetConfig):
-        with torch.device("meta"):
-            roster = module_roster(LlamaTarget(cfg))
-        return {k: v for k, v in roster.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
-    kinds = sorted({cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)})
-    sample = {kind: next(i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i) == kind) for kind in kinds}
-    small = replace(cfg, num_hidden_layers=max(sample.values()) + 1)
-    with torch.device("meta"):
-        model = MLATarget(small)
-    full = module_roster(model)
-    out: dict[str, TensorSpec] = {}
-    per_layer = {kind: {} for kind in kinds}
-    for name, spec in full.items():
-        if name.startswith("model.layers."):
-            idx, rest = name[len("model.layers.") :].split(".", 1)
-            for kind, i in sample.items():
-                if int(idx) == i:
-                    per_layer[kind][rest] = spec
-        else:
-            out[name] = spec
-    layers = {
-        f"model.layers.{i}.{rest}": spec
-        for i in range(cfg.num_hidden_layers)
-        for rest, spec in per_layer[cfg.is_moe_layer(i)].items()
-    }
-    head = {k: v for k, v in out.items() if k.startswith("model.embed")}
-    tail = {k: v for k, v in out.items() if not k.startswith("model.embed")}
-    return head | layers | tail
-
-
-def load_target(path: str | Path, dtype: str | torch.dtype = "float32", quantization: str = "none") -> Target:
-    """Load an HF model directory as a target: config.json read once, the family chosen by ``model_type``
-    (missing: DeepSeek-V3), strict load; unknown architectures go through transformers with one warning.
+def load_target(model: SpecOrPath, dtype: str | torch.dtype = "float32", quantization: str = "none") -> Target:
+    """Load an HF model directory (or its spec) as a target: its family's strict load; an architecture without a
+    native family goes through transformers with one warning.
 
     ``quantization``: "none" (dense weights, as exported), "gguf" (``path`` is the export of a .gguf file: its
     Q4_0/Q4_1/Q8_0 linear weights are served as stored by the native kernels, exact fp32 arithmetic; see
     ``dspark.models.quantized``), "gguf-int8" (the same with int8 activations, llama.cpp's arithmetic), or "auto"
     ("gguf" for a GGUF export when the native kernels are available, else "none")."""
-    path = Path(path)
-    d = read_json(path)
-    quantization = choose_quantization(path, d, quantization)[0]
+    spec = model_spec(model)
+    path = spec.path
+    quantization = choose_quantization(spec, quantization)[0]
     quant = gguf_source(path) if quantization != "none" else None
-    loader = TARGET_FAMILIES.get(d.get("model_type", "deepseek_v3"))
-    if loader is None:
+    if spec.family is None:
         warnings.warn(
-            f"{path}: model_type {d.get('model_type')!r} has no native dspark family; running it through "
+            f"{path}: model_type {spec.raw.get('model_type')!r} has no native dspark family; running it through "
             "transformers (prefix recompute every step, slow)",
             stacklevel=2,
         )
-        return HFTarget.load(path, torch_dtype(dtype), d)
-    model = loader(path, d, torch_dtype(dtype))
+        return HFTarget.load(path, torch_dtype(dtype), spec.raw, spec.hf_config)
+    if not spec.is_target:
+        raise ConfigError(
+            f"{path} is a {spec.family.name} drafter, not a target; pass it as the speculative config's 'model'"
+        )
+    model = spec.family.load(path, spec.config, torch_dtype(dtype), spec.weights)
     if quant is not None:
         quantize_gguf_linears(model, read_gguf_blocks(quant), torch_dtype(dtype), int8=quantization == "gguf-int8")
         for m in model.modules():  # fp32 norms (and the residual add before them) as one native kernel each
@@ -122,15 +96,17 @@ def load_target(path: str | Path, dtype: str | torch.dtype = "float32", quantiza
     return model
 
 
-def choose_quantization(path: Path, d: Mapping[str, Any], quantization: str) -> tuple[str, str]:
+def choose_quantization(model: SpecOrPath, quantization: str) -> tuple[str, str]:
     """The weight format a target loads in, "none", "gguf" or "gguf-int8" ("auto" resolved), and why."""
     if quantization not in QUANTIZATIONS:
         raise ConfigError(f"quantization {quantization!r} is not supported; use one of {list(QUANTIZATIONS)}")
     if quantization == "none":
         return "none", "dense weights, as asked"
+    spec = model_spec(model)
+    path = spec.path
     source = gguf_source(path)
-    model_type = d.get("model_type", "deepseek_v3")
-    native_family = TARGET_FAMILIES.get(model_type) is load_gqa_target
+    model_type = spec.raw.get("model_type", "deepseek_v3")
+    native_family = spec.family is not None and spec.family.quantizable
     if quantization == "auto":
         if source is None:
             return "none", "auto: not the export of a .gguf file"
@@ -147,37 +123,6 @@ def choose_quantization(path: Path, d: Mapping[str, Any], quantization: str) -> 
     if not native_family:
         raise ConfigError(f"quantization {quantization!r}: model_type {model_type!r} is served dense only; use 'none'")
     return quantization, f"{source.name}, as asked"
-
-
-def load_mla_target(path: Path, d: Mapping[str, Any], dtype: torch.dtype) -> MLATarget:
-    """A DeepSeek-V3 / Kimi-K2 directory (config.json + safetensors, single or sharded)."""
-    cfg = TargetConfig.from_dict(d, source=str(path / "config.json"))
-    model = MLATarget(cfg)
-    extra_ok = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
-    load_module_strict(model, path, ignore_unexpected=("model.layers.*.mlp.experts.*.*_scale*",), extra_ok=extra_ok)
-    # router weights and correction bias stay fp32 (as DeepSeek keeps them)
-    model.to(dtype)
-    for layer in model.model.layers:
-        gate = getattr(layer.mlp, "gate", None)
-        if gate is not None:
-            gate.float()
-    return model.eval()
-
-
-def load_gqa_target(path: Path, d: Mapping[str, Any], dtype: torch.dtype) -> LlamaTarget:
-    """A Llama / Qwen2 / Qwen3 directory; HF's non-persistent rotary buffers of old checkpoints are ignored."""
-    cfg = GQATargetConfig.from_dict(d, source=str(path / "config.json"))
-    model = LlamaTarget(cfg)
-    tied = ("lm_head.weight",) if cfg.tie_word_embeddings else ()
-    load_module_strict(model, path, ignore_unexpected=("*.rotary_emb.inv_freq",), extra_ok=tied)
-    return model.to(dtype).eval()
-
-
-TARGET_FAMILIES: dict[str, Callable[[Path, Mapping[str, Any], torch.dtype], Target]] = {
-    "deepseek_v3": load_mla_target,
-    "deepseek_v2": load_mla_target,
-    "kimi_k2": load_mla_target,
-} | dict.fromkeys(GQA_MODEL_TYPES, load_gqa_target)
 
 
 def save_target(model: MLATarget, path: str | Path, dtype: str | torch.dtype | None = None) -> None:
@@ -198,78 +143,21 @@ def save_target(model: MLATarget, path: str | Path, dtype: str | torch.dtype | N
 # --------------------------------------------------------------------------------------------------------
 
 
-def _dense_prefix(path: str | Path, cfg: KimiLinearConfig) -> str:
-    """Dense FFN prefix: "mlp" (Moonshot's files) or transformers' save_pretrained "block_sparse_moe"."""
-    dense = [i for i, t in enumerate(cfg.mlp_layer_types) if t == "dense"]
-    if dense and f"model.layers.{dense[0]}.mlp.gate_proj.weight" in list_checkpoint_tensors(path):
-        return "mlp"
-    return "block_sparse_moe"
+_kimi_rename = kimi_rename  # the name tests import
 
 
-def kimi_roster(cfg: KimiLinearConfig, dense_prefix: str = "block_sparse_moe") -> dict[str, TensorSpec]:
-    """Expected checkpoint tensors of a kimi_linear config, on the meta device: one layer of each kind (KDA/MLA ×
-    dense/MoE) is built and its names repeated, so K3's 93 layers × 896 experts take about a second."""
-    rename = _kimi_rename(cfg, dense_prefix)
-    kinds: dict[tuple[bool, str], dict[str, TensorSpec]] = {}
-    one = replace(
-        cfg,
-        base=replace(cfg.base, num_hidden_layers=1),
-        layer_types=cfg.layer_types[:1],
-        mlp_layer_types=cfg.mlp_layer_types[:1],
-    )
-    with torch.device("meta"):
-        shell = module_roster(KimiLinearTarget(one))
-        for i in range(cfg.num_hidden_layers):
-            kind = (cfg.is_kda(i), cfg.mlp_layer_types[i])
-            if kind not in kinds:
-                kinds[kind] = module_roster(HybridLayer(cfg, i, 0))
-    layers = {
-        n: s
-        for i in range(cfg.num_hidden_layers)
-        for rest, s in kinds[(cfg.is_kda(i), cfg.mlp_layer_types[i])].items()
-        if (n := rename(f"model.layers.{i}.{rest}")) is not None
-    }
-    out = {n: s for name, s in shell.items() if not name.startswith("model.layers.") and (n := rename(name))}
-    head = {k: v for k, v in out.items() if k.startswith("model.embed")}
-    return head | layers | {k: v for k, v in out.items() if k not in head}
-
-
-def _kimi_rename(cfg: KimiLinearConfig, dense_prefix: str = "block_sparse_moe"):
-    tied = cfg.base.tie_word_embeddings
-
-    def rename(name: str) -> str | None:
-        if name.startswith("rotary.") or (tied and name == "lm_head.weight"):
-            return None
-        return checkpoint_name(name, dense_prefix)
-
-    return rename
-
-
-def load_kimi_linear(path: str | Path, dtype: str | torch.dtype = "float32") -> KimiLinearTarget:
+def load_kimi_linear(model: SpecOrPath, dtype: str | torch.dtype = "float32") -> KimiLinearTarget:
     """Load a ``kimi_linear`` directory (transformers' save_pretrained output or Moonshot's layout) unchanged."""
-    path = Path(path)
-    return load_hybrid_target(path, read_json(path), torch_dtype(dtype))
-
-
-def load_hybrid_target(path: Path, d: Mapping[str, Any], dtype: torch.dtype) -> KimiLinearTarget:
-    """The ``kimi_linear`` family (KDA + MLA; K3's additions behind their config keys)."""
-    cfg = KimiLinearConfig.from_dict(d, source=str(path / "config.json"))
-    model = KimiLinearTarget(cfg)
-    load_module_strict(model, path, rename=_kimi_rename(cfg, _dense_prefix(path, cfg)))
-    model.to(dtype)
-    for layer in model.model.layers:  # router, correction bias and the KDA decay parameters stay fp32
-        if isinstance(layer.mlp, MoE | K3MoE):
-            layer.mlp.gate.float()
-        if layer.is_kda:
-            layer.self_attn.A_log.data = layer.self_attn.A_log.data.float()
-            layer.self_attn.dt_bias.data = layer.self_attn.dt_bias.data.float()
-    return model.eval()
+    spec = model_spec(model)
+    if spec.family is not KIMI_LINEAR:
+        raise ConfigError(f"{spec.config_file}: model_type {spec.raw.get('model_type')!r} is not 'kimi_linear'")
+    return KIMI_LINEAR.load(spec.path, spec.config, torch_dtype(dtype), spec.weights)
 
 
 def save_kimi_linear(model: KimiLinearTarget, path: str | Path, dtype: str | torch.dtype | None = None) -> None:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    rename = _kimi_rename(model.config)
+    rename = kimi_rename(model.config)
     state = {n: v for k, v in model.state_dict().items() if (n := rename(k)) is not None}
     save_state_dict(state, path, dtype=torch_dtype(dtype) if dtype else None)
     d = model.config.to_hf_dict()
@@ -278,33 +166,22 @@ def save_kimi_linear(model: KimiLinearTarget, path: str | Path, dtype: str | tor
     (path / "config.json").write_text(json.dumps(d, indent=2))
 
 
-TARGET_FAMILIES["kimi_linear"] = load_hybrid_target
-
-
 # --------------------------------------------------------------------------------------------------------
 # drafter
 # --------------------------------------------------------------------------------------------------------
 
 
-def draft_roster(cfg: DraftConfig, include_embedding: bool = True) -> dict[str, TensorSpec]:
-    """The official model.safetensors roster (68 tensors for Kimi-K3-DSpark), on the meta device."""
-    with torch.device("meta"):
-        model = DSparkDrafter(cfg)
-    roster = module_roster(model, rename=model.file_name)
-    if include_embedding:
-        roster = {"embed_tokens.weight": TensorSpec((cfg.vocab_size, cfg.hidden_size))} | roster
-    return roster
-
-
-def load_drafter(path: str | Path, target: nn.Module, dtype: str | torch.dtype = "float32") -> DSparkDrafter:
-    """Load a draft directory and attach the target's embedding and the lm_head (own file or the target's).
+def load_drafter(draft: SpecOrPath, target: nn.Module, dtype: str | torch.dtype = "float32") -> DSparkDrafter:
+    """Load a draft directory (or its spec) and attach the target's embedding and the lm_head (own file or the
+    target's).
 
     target must expose ``embed_tokens`` and ``lm_head`` (MLATarget or HFTarget).
     """
-    path = Path(path)
-    cfg = DraftConfig.load(path)
+    spec = model_spec(draft)
+    path, cfg, weights = spec.path, read_draft_config(spec), spec.weights
     model = DSparkDrafter(cfg)
-    load_module_strict(model, path, rename=model.file_name, ignore_unexpected=("embed_tokens.weight", "lm_head.weight"))
+    ignore = ("embed_tokens.weight", "lm_head.weight")
+    load_module_strict(model, path, rename=model.file_name, ignore_unexpected=ignore, found=weights)
     model.to(torch_dtype(dtype))
     lm_head: nn.Module = target.lm_head
     own = path / "lm_head.safetensors"
@@ -312,9 +189,9 @@ def load_drafter(path: str | Path, target: nn.Module, dtype: str | torch.dtype =
         lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         load_module_strict(lm_head, own, rename=lambda n: "lm_head." + n)
         lm_head.to(torch_dtype(dtype)).requires_grad_(False)
-    elif "lm_head.weight" in list_checkpoint_tensors(path):
+    elif "lm_head.weight" in weights:
         lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        load_module_strict(lm_head, path, rename=lambda n: "lm_head." + n, ignore_unexpected=("*",))
+        load_module_strict(lm_head, path, rename=lambda n: "lm_head." + n, ignore_unexpected=("*",), found=weights)
         lm_head.to(torch_dtype(dtype)).requires_grad_(False)
     model.attach(target.embed_tokens, lm_head)
     return model.eval()
@@ -340,26 +217,22 @@ def save_drafter(
     (path / "config.json").write_text(json.dumps(d, indent=2))
 
 
-def read_target_config(path: str | Path) -> TargetConfig | GQATargetConfig | KimiLinearConfig:
+def read_draft_config(model: SpecOrPath) -> DraftConfig:
+    """A drafter's config.json as a DraftConfig (any config reads as one: its checks name what is wrong)."""
+    spec = model_spec(model)
+    return spec.config if spec.family is DSPARK else DraftConfig.from_dict(spec.raw, source=str(spec.config_file))
+
+
+def read_target_config(model: SpecOrPath) -> TargetConfig | GQATargetConfig | KimiLinearConfig:
     """A target's config.json as its family's config (the fields every family shares: vocab, eos, context...)."""
-    d = read_json(path)
-    source = str(Path(path) / "config.json" if Path(path).is_dir() else path)
-    if d.get("model_type") in GQA_MODEL_TYPES:
-        return GQATargetConfig.from_dict(d, source=source)
-    if d.get("model_type") == "kimi_linear":
-        return KimiLinearConfig.from_dict(d, source=source)
-    return TargetConfig.from_dict(d, source=source)
+    spec = model_spec(model)
+    if not spec.is_target:
+        return TargetConfig.from_dict(spec.raw, source=str(spec.config_file))  # names the model_type it rejects
+    return spec.config
 
 
-def read_config_any(path: str | Path) -> TargetConfig | GQATargetConfig | DraftConfig | KimiLinearConfig:
-    """A config.json (or directory) as a TargetConfig, GQATargetConfig, KimiLinearConfig or DraftConfig, by
-    architecture/model_type."""
-    d = read_json(path)
-    if d.get("model_type") == "kimi_linear":
-        return KimiLinearConfig.from_dict(d, source=str(path))
-    archs = d.get("architectures") or []
-    if d.get("model_type") == "k3_dspark" or any(a.endswith("DSparkModel") for a in archs):
-        return DraftConfig.from_dict(d, source=str(path))
-    if d.get("model_type") in GQA_MODEL_TYPES:
-        return GQATargetConfig.from_dict(d, source=str(path))
-    return TargetConfig.from_dict(d, source=str(path))
+def read_config_any(model: SpecOrPath) -> TargetConfig | GQATargetConfig | DraftConfig | KimiLinearConfig:
+    """A config.json (or directory) as its family's config: TargetConfig, GQATargetConfig, KimiLinearConfig or
+    DraftConfig (a model_type without a native family is read as DeepSeek-V3's, which names what it rejects)."""
+    spec = model_spec(model)
+    return spec.config if spec.family is not None else TargetConfig.from_dict(spec.raw, source=str(spec.config_file))

@@ -14,8 +14,12 @@ rows in HF order), which the native kernel reads directly (``dspark/native/kerne
   where compute bound, but each output moves by ~1-6 % of its scale on real hidden states (outlier channels), so
   greedy text drifts from the dense model's.
 
-Products of more than ``DENSE_ROWS`` rows (a prefill) run one GEMM in the input's dtype over the weight
-dequantized for the call (native, ~0.1 ms for 1536x576), which beats the block kernels there. Without the kernels
+The block kernels dequantize each weight block once and apply it to up to 8 activation rows in registers, so a
+product of M rows costs about M fp32 FMAs per weight (the FMA floor) rather than M passes over the weight; each
+row's result is bit for bit its M = 1 result, so a speculative verify of K+1 rows decodes exactly what K+1 plain
+steps would. Products of more than ``DENSE_ROWS`` rows (a prefill) run GEMMs in the input's dtype over tiles of
+``DENSE_TILE`` weight rows dequantized for the call (a few hundred KiB at a time, never the whole weight), each
+tile's result bit for bit ``F.linear`` over the dequantized weight (tested). Without the kernels
 (``DSPARK_NATIVE=0``, no compiler) and in grad mode it dequantizes once, lazily, and runs ``F.linear``: the
 export's exact values, so outputs equal the dense model's.
 
@@ -41,7 +45,8 @@ from dspark.checkpoint.io import CheckpointError, Problem
 QTYPES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # GGUF type name -> the kernel's code
 BLOCK = 32
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-DENSE_ROWS = 32  # products of more rows (prefill) run as a dense GEMM over the weight dequantized for the call
+DENSE_ROWS = 64  # products of more rows (prefill) run as dense GEMMs over weight tiles dequantized for the call
+DENSE_TILE = 256  # weight rows dequantized per GEMM on that path
 
 
 @dataclass(frozen=True, eq=False)
@@ -161,6 +166,14 @@ class QuantLinear(nn.Module):
     def bias(self) -> torch.Tensor | None:
         return None if self.bias_f32 is None else self.bias_f32.to(self.dtype)
 
+    def rows(self, ids: torch.Tensor) -> QuantLinear:
+        """A QuantLinear over the output rows ``ids`` [n] (their blocks copied, still quantized): a reduced draft
+        vocabulary's slice of a quantized lm_head."""
+        ids = ids.to(torch.long)
+        qw = QuantWeight(self.qweight.qtype, self.qweight.blocks.index_select(0, ids).contiguous())
+        bias = None if self.bias_f32 is None else self.bias_f32.index_select(0, ids)
+        return QuantLinear(qw, bias, self.dtype, self.int8)
+
     def native_ok(self, x: torch.Tensor) -> bool:
         return x.device.type == "cpu" and not (torch.is_grad_enabled() and x.requires_grad) and native.enabled()
 
@@ -176,20 +189,31 @@ class QuantLinear(nn.Module):
         return self._dense_forward(x)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
-        """The block kernel (fp32 out) for up to DENSE_ROWS rows; beyond, one GEMM in x's dtype over the weight
-        dequantized for the call (what the dense model computes; faster for a prefill's many rows)."""
+        """The block kernel (fp32 out) for up to DENSE_ROWS rows; beyond, GEMMs in x's dtype over weight tiles
+        dequantized for the call (what the dense model computes, tile by tile)."""
         ops = native.ops()
         if ops is None:
             return self._dense_forward(x)
         w, x2 = self.qweight, x.reshape(-1, self.in_features)
         if x2.shape[0] > DENSE_ROWS:
-            dense, bias = ops.dequantize(w.blocks, QTYPES[w.qtype], self.in_features), self.bias_f32
-            if x.dtype != torch.float32:
-                dense, bias = dense.to(x.dtype), None if bias is None else bias.to(x.dtype)
-            y = F.linear(x2, dense, bias)
+            y = self._tiled_product(ops, x2)
         else:
             y = ops.quant_linear(x2, w.blocks, self.bias_f32, QTYPES[w.qtype], self.int8)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _tiled_product(self, ops, x2: torch.Tensor) -> torch.Tensor:
+        """x2 [M, K] → [M, N] in x2's dtype: per tile of DENSE_TILE weight rows, ``F.linear`` over the tile
+        dequantized natively (fp32, then x2's dtype), written into its columns of the output."""
+        w, code, K = self.qweight, QTYPES[self.qweight.qtype], self.in_features
+        bias = self.bias_f32 if self.bias_f32 is None or x2.dtype == torch.float32 else self.bias_f32.to(x2.dtype)
+        y = x2.new_empty(x2.shape[0], self.out_features)
+        for n0 in range(0, self.out_features, DENSE_TILE):
+            n1 = min(n0 + DENSE_TILE, self.out_features)
+            tile = ops.dequantize(w.blocks[n0:n1], code, K)
+            if x2.dtype != torch.float32:
+                tile = tile.to(x2.dtype)
+            y[:, n0:n1] = F.linear(x2, tile, None if bias is None else bias[n0:n1])
+        return y
 
     def _dense_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The fallback: ``F.linear`` over the weight dequantized once (cached per dtype)."""

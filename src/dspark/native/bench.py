@@ -3,9 +3,10 @@
     taskset -c 0 python -m dspark.native.bench [--threads 1] [--decode-tokens 64] [--rounds 3] [--no-decode]
 
 1. One product of SmolLM2-135M's shapes (1536x576 and 576x1536 Q4_1, 576x576 Q4_1, the 49152x576 Q8_0 lm_head) at
-   M = 1 (decode) and 8 (an 8-token verify): the native exact and int8 kernels against fp32 and bf16 ``F.linear``
-   over the dequantized weight (best of 7 passes, the weight hot in cache; a decode step reads every weight from
-   memory, where the 3.5-7x fewer bytes count more).
+   M = 1 (decode), 8 (an 8-token verify) and 16: the native exact and int8 kernels against fp32 and bf16
+   ``F.linear`` over the dequantized weight (best of 7 passes, the weight hot in cache; a decode step reads every
+   weight from memory, where the 3.5-7x fewer bytes count more), and each kernel's time over its M = 1 time (the
+   exact kernel's floor is M fp32 FMAs per weight, so its ratio approaches M where the product is compute bound).
 2. SmolLM2 plain greedy decode (the ``smollm2-135m-instruct`` alias; skipped when not installed): tokens/s of the
    engine with quantization "gguf", "gguf-int8" and "none" (the dequantized export), fp32 and bf16, the variants
    interleaved round by round and the best round kept.
@@ -72,7 +73,16 @@ def gemv_row(ops, w: QuantWeight, m: int, g: torch.Generator) -> dict:
 def gemv_rows(ops) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     weights = [random_weight(n, k, qtype, g) for n, k, qtype in SHAPES]
-    return [gemv_row(ops, w, m, g) for w in weights for m in (1, 8)]
+    rows = []
+    for w in weights:
+        one = gemv_row(ops, w, 1, g)
+        rows.append(one)
+        for m in (8, 16):
+            row = gemv_row(ops, w, m, g)
+            for kind in ("exact", "int8"):
+                row[f"{kind}_vs_m1"] = row[f"native_{kind}_us"] / one[f"native_{kind}_us"]
+            rows.append(row)
+    return rows
 
 
 def decode_rows(tokens: int, rounds: int) -> list[dict]:

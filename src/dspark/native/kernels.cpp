@@ -15,7 +15,10 @@
 //   exact: AVX-512F (a Q4 block's 16 possible values in one register, looked up by nibble) / AVX2+FMA / scalar.
 //   int8:  AVX-512 VNNI (two blocks per 512-bit vpdpbusd; Q8_0 weights flipped to unsigned, w + 128, and 128·Σq_x
 //          subtracted per block) / AVX2 (vpmaddubsw + vpmaddwd; Q8_0 as |w| × sign(x, w)) / scalar.
-// Threads: at::parallel_for over output rows (torch's OpenMP pool: torch.set_num_threads applies).
+// Rows: a weight block is unpacked once per tile of up to 8 (AVX2, scalar: 4) activation rows and applied to each;
+//   every row's result is bit for bit its one-row result in both arithmetics (see the exact path's comment), so a
+//   speculative verify of K+1 rows computes what K+1 decode steps would.
+// Threads: at::parallel_for over groups of output rows (torch's OpenMP pool: torch.set_num_threads applies).
 //
 // rms_norm / silu_mul: fp32 helpers (fused residual add + RMSNorm; SwiGLU's silu(g)·u).
 
@@ -96,6 +99,12 @@ inline float hsum256(__m256 v) {
 }
 #endif
 
+// The weight rows stream from memory once per product; with several activation rows per block the arithmetic is
+// slow enough that the hardware prefetchers fall behind (measured: a cold 8-row pass over SmolLM2's weights ~16 %
+// slower without this). Each block asks for the bytes kPrefetchBytes further on (rows lie back to back).
+constexpr int64_t kPrefetchBytes = 2048;
+inline void prefetch_ahead(const uint8_t* p) { __builtin_prefetch(p + kPrefetchBytes, 0, 3); }  // prefetcht0
+
 struct Weights {
   const uint8_t* blocks;  // [N, row_bytes]
   const float* bias;      // [N] or null
@@ -103,10 +112,28 @@ struct Weights {
 };
 
 // ================================================================================================ exact path
+//
+// Each output row (n, m) is the sum of its block products accumulated in one fixed order whatever the batch:
+// per lane vector (AVX-512: a0 over the low 16 values of each block, a1 over the high 16; AVX2: a0 over values
+// 0-7 and 16-23, a1 over 8-15 and 24-31; scalar: block by block), then a0 + a1 summed across lanes by a fixed tree.
+// The kernels only change how many rows share the work: a weight block is dequantized once per tile of up to
+// kExactTile activation rows and applied to each (a tile's activations are read in chunks of blocks that fit
+// kXTileBytes, so they stay in L1 while the weights stream; the accumulators carry over between chunks), and the
+// lane sums of kGroup consecutive weight rows are reduced together by a transposed tree that adds the same pairs as
+// the one-vector reduction. A row's result is therefore bit for bit the same at M = 1 and in any batch (tested),
+// which keeps speculative verification lossless.
+
+constexpr int64_t kXTileBytes = 24 * 1024;  // a tile's activations per chunk of blocks (L1)
+
+// Balanced row tiles: the height of the tile that starts after `done` of M rows, with `left` tiles to go.
+inline int64_t tile_rows(int64_t M, int64_t done, int64_t left) { return (M - done + left - 1) / left; }
 
 #if defined(__AVX512F__)
 constexpr const char* kExactPath = "avx512";
 constexpr int kExactTile = 8;
+constexpr int kGroup = 16;  // weight rows reduced together (one output vector)
+using Lanes = __m512;
+inline Lanes lanes_zero() { return _mm512_setzero_ps(); }
 
 template <int QT>
 inline void deq_block(const uint8_t* blk, __m512& lo, __m512& hi) {
@@ -133,25 +160,70 @@ inline void deq_block(const uint8_t* blk, __m512& lo, __m512& hi) {
   }
 }
 
+// One weight row's blocks b0 .. b1-1 against MT activation rows. The lane accumulators start at zero (first) or
+// from st (a previous chunk of blocks), and end as out[m · kGroup] = a0 + a1 (last; not yet reduced) or back in st:
+// a row's blocks are always accumulated in order, however the blocks are chunked.
 template <int MT, int QT>
-inline void row_exact(const uint8_t* row, int64_t nb, const float* x, int64_t K, float* out) {
+inline void sums_exact(const uint8_t* row, int64_t b0, int64_t b1, const float* x, int64_t K, __m512* st, bool first,
+                       bool last, __m512* out) {
   __m512 a0[MT], a1[MT];
-  for (int m = 0; m < MT; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
+  for (int m = 0; m < MT; ++m) {
+    a0[m] = first ? _mm512_setzero_ps() : st[2 * m];
+    a1[m] = first ? _mm512_setzero_ps() : st[2 * m + 1];
+  }
+  for (int64_t b = b0; b < b1; ++b) {
     __m512 lo, hi;
     deq_block<QT>(row + kBlockBytes<QT> * b, lo, hi);
+    prefetch_ahead(row + kBlockBytes<QT> * b);
     for (int m = 0; m < MT; ++m) {
       const float* xb = x + m * K + QK * b;
-      a0[m] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb), a0[m]);
-      a1[m] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + 16), a1[m]);
+      a0[m] = _mm512_fmadd_ps(lo, _mm512_load_ps(xb), a0[m]);
+      a1[m] = _mm512_fmadd_ps(hi, _mm512_load_ps(xb + 16), a1[m]);
     }
   }
-  for (int m = 0; m < MT; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));
+  for (int m = 0; m < MT; ++m) {
+    if (last) {
+      out[m * kGroup] = _mm512_add_ps(a0[m], a1[m]);
+    } else {
+      st[2 * m] = a0[m];
+      st[2 * m + 1] = a1[m];
+    }
+  }
+}
+
+// v[0..15] -> r with r[j] = the lane sum of v[j] by the tree (v[i] + v[i+8]), then (· + ·[i+4]), (· + ·[i+2]),
+// (· + ·[i+1]): the pairs _mm512_reduce_add_ps adds, sixteen vectors at a time.
+inline __m512 reduce_group(const __m512* v) {
+  __m512 s1[8], s2[4], s3[2];
+  for (int i = 0; i < 8; ++i)  // [v(2i) halves summed | v(2i+1) halves summed]
+    s1[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                          _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit lane L: vector 4i + L, quarters summed
+    s2[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s1[2 * i], s1[2 * i + 1], 0x88),
+                          _mm512_shuffle_f32x4(s1[2 * i], s1[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // lane L: [v(8i+L) 2 partials, v(8i+4+L) 2 partials]
+    s3[i] = _mm512_add_ps(_mm512_shuffle_ps(s2[2 * i], s2[2 * i + 1], 0x44),
+                          _mm512_shuffle_ps(s2[2 * i], s2[2 * i + 1], 0xEE));
+  // lane L: [r(L), r(L+4), r(L+8), r(L+12)] -> natural order
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s3[0], s3[1], 0x88), _mm512_shuffle_ps(s3[0], s3[1], 0xDD));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+
+// the g (≤ kGroup) outputs of one activation row: reduced lane sums (+ a per-output term) (+ bias)
+inline void store_group(const __m512* v, const float* term, const float* bias, int g, float* y) {
+  const __mmask16 k = static_cast<__mmask16>((1u << g) - 1);
+  __m512 r = reduce_group(v);
+  if (term != nullptr) r = _mm512_add_ps(r, _mm512_loadu_ps(term));
+  if (bias != nullptr) r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(k, bias));
+  _mm512_mask_storeu_ps(y, k, r);
 }
 
 #elif defined(DSPARK_AVX2)
 constexpr const char* kExactPath = "avx2";
 constexpr int kExactTile = 4;
+constexpr int kGroup = 8;
+using Lanes = __m256;
+inline Lanes lanes_zero() { return _mm256_setzero_ps(); }
 
 template <int QT>
 inline void deq_block(const uint8_t* blk, __m256 v[4]) {
@@ -182,32 +254,71 @@ inline void deq_block(const uint8_t* blk, __m256 v[4]) {
 }
 
 template <int MT, int QT>
-inline void row_exact(const uint8_t* row, int64_t nb, const float* x, int64_t K, float* out) {
+inline void sums_exact(const uint8_t* row, int64_t b0, int64_t b1, const float* x, int64_t K, __m256* st, bool first,
+                       bool last, __m256* out) {
   __m256 a0[MT], a1[MT];
-  for (int m = 0; m < MT; ++m) a0[m] = a1[m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
+  for (int m = 0; m < MT; ++m) {
+    a0[m] = first ? _mm256_setzero_ps() : st[2 * m];
+    a1[m] = first ? _mm256_setzero_ps() : st[2 * m + 1];
+  }
+  for (int64_t b = b0; b < b1; ++b) {
     __m256 v[4];
     deq_block<QT>(row + kBlockBytes<QT> * b, v);
+    prefetch_ahead(row + kBlockBytes<QT> * b);
     for (int m = 0; m < MT; ++m) {
       const float* xb = x + m * K + QK * b;
-      a0[m] = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xb), a0[m]);
-      a1[m] = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xb + 8), a1[m]);
-      a0[m] = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xb + 16), a0[m]);
-      a1[m] = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xb + 24), a1[m]);
+      a0[m] = _mm256_fmadd_ps(v[0], _mm256_load_ps(xb), a0[m]);
+      a1[m] = _mm256_fmadd_ps(v[1], _mm256_load_ps(xb + 8), a1[m]);
+      a0[m] = _mm256_fmadd_ps(v[2], _mm256_load_ps(xb + 16), a0[m]);
+      a1[m] = _mm256_fmadd_ps(v[3], _mm256_load_ps(xb + 24), a1[m]);
     }
   }
-  for (int m = 0; m < MT; ++m) out[m] = hsum256(_mm256_add_ps(a0[m], a1[m]));
+  for (int m = 0; m < MT; ++m) {
+    if (last) {
+      out[m * kGroup] = _mm256_add_ps(a0[m], a1[m]);
+    } else {
+      st[2 * m] = a0[m];
+      st[2 * m + 1] = a1[m];
+    }
+  }
+}
+
+// v[0..7] -> r with r[j] = hsum256(v[j]) (the pairs (i, i+4), then (i, i+2), then (0, 1)), eight at a time
+inline __m256 reduce_group(const __m256* v) {
+  __m256 s1[4], s2[2];
+  for (int i = 0; i < 4; ++i)  // [v(2i) halves summed | v(2i+1) halves summed]
+    s1[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x20),
+                          _mm256_permute2f128_ps(v[2 * i], v[2 * i + 1], 0x31));
+  for (int i = 0; i < 2; ++i)  // 128-bit lane L: [v(4i+L) 2 partials, v(4i+2+L) 2 partials]
+    s2[i] = _mm256_add_ps(_mm256_shuffle_ps(s1[2 * i], s1[2 * i + 1], 0x44),
+                          _mm256_shuffle_ps(s1[2 * i], s1[2 * i + 1], 0xEE));
+  // lane L: [r(L), r(L+2), r(L+4), r(L+6)] -> natural order
+  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(s2[0], s2[1], 0x88), _mm256_shuffle_ps(s2[0], s2[1], 0xDD));
+  return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+inline void store_group(const __m256* v, const float* term, const float* bias, int g, float* y) {
+  alignas(32) float r[kGroup];
+  _mm256_store_ps(r, reduce_group(v));
+  for (int j = 0; j < g; ++j) {
+    const float s = term != nullptr ? r[j] + term[j] : r[j];
+    y[j] = bias != nullptr ? s + bias[j] : s;
+  }
 }
 
 #else
 constexpr const char* kExactPath = "scalar";
 constexpr int kExactTile = 4;
+constexpr int kGroup = 1;
+using Lanes = float;
+inline Lanes lanes_zero() { return 0.0f; }
 
 template <int MT, int QT>
-inline void row_exact(const uint8_t* row, int64_t nb, const float* x, int64_t K, float* out) {
-  float v[QK];
-  for (int m = 0; m < MT; ++m) out[m] = 0.0f;
-  for (int64_t b = 0; b < nb; ++b) {
+inline void sums_exact(const uint8_t* row, int64_t b0, int64_t b1, const float* x, int64_t K, float* st, bool first,
+                       bool last, float* out) {
+  float v[QK], acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = first ? 0.0f : st[m];
+  for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* blk = row + kBlockBytes<QT> * b;
     const uint8_t* q = blk + kQsOffset<QT>;
     const float d = h2f(blk), mn = QT == Q4_1 ? h2f(blk + 2) : 0.0f;
@@ -223,36 +334,52 @@ inline void row_exact(const uint8_t* row, int64_t nb, const float* x, int64_t K,
       const float* xb = x + m * K + QK * b;
       float s = 0.0f;
       for (int i = 0; i < QK; ++i) s += v[i] * xb[i];
-      out[m] += s;
+      acc[m] += s;
     }
   }
+  for (int m = 0; m < MT; ++m) (last ? out[m * kGroup] : st[m]) = acc[m];
+}
+
+inline void store_group(const float* v, const float* term, const float* bias, int /*g*/, float* y) {
+  const float s = term != nullptr ? v[0] + term[0] : v[0];
+  y[0] = bias != nullptr ? s + bias[0] : s;
 }
 #endif
 
+// Blocks per chunk: MT activation rows of a chunk fit kXTileBytes, so they stay in L1 while the weights stream.
+inline int64_t exact_chunk(int mt) { return std::max<int64_t>(1, kXTileBytes / (mt * QK * int64_t(sizeof(float)))); }
+
+// Weight rows n0 .. n0+g-1 (g ≤ kGroup) against activation rows m0 .. m0+MT-1, block chunk by block chunk.
 template <int MT, int QT>
-void rows_exact(const Weights& W, const float* x, int64_t K, int64_t m0, int64_t n0, int64_t n1, float* y,
-                int64_t N) {
-  const int64_t nb = K / QK;
-  float out[MT];
-  for (int64_t n = n0; n < n1; ++n) {
-    row_exact<MT, QT>(W.blocks + n * W.row_bytes, nb, x + m0 * K, K, out);
-    for (int m = 0; m < MT; ++m) y[(m0 + m) * N + n] = W.bias != nullptr ? out[m] + W.bias[n] : out[m];
+void group_exact(const Weights& W, const float* x, int64_t K, int64_t m0, int64_t n0, int g, float* y, int64_t N) {
+  const int64_t nb = K / QK, chunk = exact_chunk(MT);
+  Lanes sums[MT * kGroup];
+  Lanes state[kGroup][2 * MT];  // the lane accumulators between chunks
+  for (int64_t b0 = 0; b0 < nb; b0 += chunk) {
+    const int64_t b1 = std::min(nb, b0 + chunk);
+    for (int j = 0; j < g; ++j)
+      sums_exact<MT, QT>(W.blocks + (n0 + j) * W.row_bytes, b0, b1, x + m0 * K, K, state[j], b0 == 0, b1 == nb,
+                         sums + j);
   }
+  for (int j = g; j < kGroup; ++j)
+    for (int m = 0; m < MT; ++m) sums[m * kGroup + j] = lanes_zero();
+  const float* bias = W.bias != nullptr ? W.bias + n0 : nullptr;
+  for (int m = 0; m < MT; ++m) store_group(sums + m * kGroup, nullptr, bias, g, y + (m0 + m) * N + n0);
 }
 
 template <int QT>
-void tile_exact(int mt, const Weights& W, const float* x, int64_t K, int64_t m0, int64_t n0, int64_t n1, float* y,
+void tile_exact(int mt, const Weights& W, const float* x, int64_t K, int64_t m0, int64_t n0, int g, float* y,
                 int64_t N) {
   switch (mt) {
-    case 1: return rows_exact<1, QT>(W, x, K, m0, n0, n1, y, N);
-    case 2: return rows_exact<2, QT>(W, x, K, m0, n0, n1, y, N);
-    case 3: return rows_exact<3, QT>(W, x, K, m0, n0, n1, y, N);
-    case 4: return rows_exact<4, QT>(W, x, K, m0, n0, n1, y, N);
+    case 1: return group_exact<1, QT>(W, x, K, m0, n0, g, y, N);
+    case 2: return group_exact<2, QT>(W, x, K, m0, n0, g, y, N);
+    case 3: return group_exact<3, QT>(W, x, K, m0, n0, g, y, N);
+    case 4: return group_exact<4, QT>(W, x, K, m0, n0, g, y, N);
 #if defined(__AVX512F__)
-    case 5: return rows_exact<5, QT>(W, x, K, m0, n0, n1, y, N);
-    case 6: return rows_exact<6, QT>(W, x, K, m0, n0, n1, y, N);
-    case 7: return rows_exact<7, QT>(W, x, K, m0, n0, n1, y, N);
-    case 8: return rows_exact<8, QT>(W, x, K, m0, n0, n1, y, N);
+    case 5: return group_exact<5, QT>(W, x, K, m0, n0, g, y, N);
+    case 6: return group_exact<6, QT>(W, x, K, m0, n0, g, y, N);
+    case 7: return group_exact<7, QT>(W, x, K, m0, n0, g, y, N);
+    case 8: return group_exact<8, QT>(W, x, K, m0, n0, g, y, N);
 #endif
     default: TORCH_CHECK(false, "dspark quant_linear: bad tile ", mt);
   }
@@ -260,9 +387,16 @@ void tile_exact(int mt, const Weights& W, const float* x, int64_t K, int64_t m0,
 
 template <int QT>
 void run_exact(const Weights& W, const float* x, int64_t M, int64_t K, int64_t N, float* y) {
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t m0 = 0; m0 < M; m0 += kExactTile) {
-      tile_exact<QT>(static_cast<int>(std::min<int64_t>(kExactTile, M - m0)), W, x, K, m0, n0, n1, y, N);
+  const int64_t tiles = (M + kExactTile - 1) / kExactTile, groups = (N + kGroup - 1) / kGroup;
+  at::parallel_for(0, groups, std::max<int64_t>(1, 16 / kGroup), [&](int64_t g0, int64_t g1) {
+    for (int64_t grp = g0; grp < g1; ++grp) {
+      const int64_t n0 = grp * kGroup;
+      const int g = static_cast<int>(std::min<int64_t>(kGroup, N - n0));
+      for (int64_t t = 0, m0 = 0; t < tiles; ++t) {  // the group's weight rows stay in cache across the tiles
+        const int64_t mt = tile_rows(M, m0, tiles - t);
+        tile_exact<QT>(static_cast<int>(mt), W, x, K, m0, n0, g, y, N);
+        m0 += mt;
+      }
     }
   });
 }
@@ -318,79 +452,99 @@ inline void quantize_block(const float* x, int8_t* q, float& d, int32_t& isum, f
 #endif
 }
 
-// The quantized activation rows in the order the kernels read them.
+// The quantized activation rows, laid out tile by tile in the order the row kernels read them. Units: block pairs
+// on the pair path (Q4 pair bytes [b lo16 | b+1 lo16 | b hi16 | b+1 hi16], Q8 [b | b+1]), then single blocks (every
+// block elsewhere, the last of an odd count on the pair path). Within a tile of mt rows starting at row m0, a
+// unit's data for the tile's rows lie one after another (unit u of row i at (u·mt + i)), so a kernel reads each
+// array as one stream at offsets fixed by the tile height.
 struct Act {
-  int64_t nb = 0;
-  std::vector<int8_t> q;   // [M, nb·32]; Q4 on the pair path, per block pair: [b lo16 | b+1 lo16 | b hi16 | b+1 hi16]
-  std::vector<float> d;    // [M, nb] block scales
-  std::vector<float> t;    // [M, nb] the offset term's activation factor (Q4_1 Σx, Q4_0 −8Σx, Q8 flip −128·d·Σq)
-  std::vector<float> pat;  // [M, nb/2, 16] pair path: each lane's activation scale
-  const int8_t* qrow(int64_t m) const { return q.data() + m * nb * QK; }
-  const float* drow(int64_t m) const { return d.data() + m * nb; }
-  const float* trow(int64_t m) const { return t.data() + m * nb; }
-  const float* prow(int64_t m) const { return pat.data() + m * (nb / 2) * 16; }
+  int64_t nb = 0, np = 0, ns = 0;  // blocks, pairs, single blocks per row
+  std::vector<int8_t> q;           // nb·32 bytes per row
+  std::vector<float> s;            // per row: 16 lane scales per pair (Q4 [b×4, b+1×4, b×4, b+1×4], Q8 [b×8, b+1×8]),
+                                   // then one scale per single block
+  std::vector<float> t;            // per row and block: the offset term's activation factor (Q4_1 Σx, Q4_0 −8Σx,
+                                   // Q8 flip −128·d·Σq); pairs' two values adjacent
+  int64_t s_row() const { return np * 16 + ns; }
 };
 
-void quantize_rows(const float* x, int64_t M, int64_t K, int64_t qtype, Act& a) {
-  const int64_t nb = K / QK, np = kPairs ? nb / 2 : 0;
-  a.nb = nb;
+// A tile's view: the arrays' starts for rows m0 .. m0+mt-1.
+struct ActTile {
+  const int8_t* q;
+  const float* s;
+  const float* t;
+  int64_t np, ns;
+  ActTile(const Act& a, int64_t m0) : q(a.q.data() + m0 * a.nb * QK), s(a.s.data() + m0 * a.s_row()),
+                                      t(a.t.data() + m0 * a.nb), np(a.np), ns(a.ns) {}
+};
+
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t qtype, int64_t tiles, Act& a) {
+  const int64_t nb = K / QK, np = kPairs ? nb / 2 : 0, ns = nb - 2 * np;
+  a.nb = nb, a.np = np, a.ns = ns;
   a.q.resize(M * K);
-  a.d.resize(M * nb);
+  a.s.resize(M * a.s_row());
   a.t.resize(M * nb);
-  a.pat.resize(M * np * 16);
   const bool q4 = qtype != Q8_0;
   int8_t tmp[QK];
-  for (int64_t m = 0; m < M; ++m) {
-    int8_t* qr = a.q.data() + m * K;
-    for (int64_t b = 0; b < nb; ++b) {
-      float d, fsum;
-      int32_t isum;
-      quantize_block(x + m * K + b * QK, tmp, d, isum, fsum);
-      a.d[m * nb + b] = d;
-      a.t[m * nb + b] = qtype == Q4_1 ? fsum : qtype == Q4_0 ? -8.0f * fsum : -128.0f * d * float(isum);
-      if (q4 && kPairs && b < 2 * np) {  // interleave the pair's halves (low nibbles first)
-        int8_t* dst = qr + (b & ~int64_t(1)) * QK + (b & 1) * 16;
-        std::memcpy(dst, tmp, 16);
-        std::memcpy(dst + 32, tmp + 16, 16);
-      } else {
-        std::memcpy(qr + b * QK, tmp, QK);
+  for (int64_t tile = 0, m0 = 0; tile < tiles; ++tile) {
+    const int64_t mt = tile_rows(M, m0, tiles - tile);
+    int8_t* q = a.q.data() + m0 * K;
+    float* s = a.s.data() + m0 * a.s_row();
+    float* t = a.t.data() + m0 * nb;
+    for (int64_t i = 0; i < mt; ++i) {
+      for (int64_t b = 0; b < nb; ++b) {
+        float d, fsum;
+        int32_t isum;
+        quantize_block(x + (m0 + i) * K + b * QK, tmp, d, isum, fsum);
+        const float tv = qtype == Q4_1 ? fsum : qtype == Q4_0 ? -8.0f * fsum : -128.0f * d * float(isum);
+        if (b < 2 * np) {  // a pair: the two blocks' bytes interleaved (Q4: low nibbles' values first)
+          const int64_t p = b / 2, u = p * mt + i, half = b & 1;
+          int8_t* dst = q + u * 2 * QK;
+          if (q4) {
+            std::memcpy(dst + half * 16, tmp, 16);
+            std::memcpy(dst + 32 + half * 16, tmp + 16, 16);
+          } else {
+            std::memcpy(dst + half * QK, tmp, QK);
+          }
+          for (int l = 0; l < 16; ++l)
+            if ((q4 ? (l / 4) % 2 : l / 8) == half) s[u * 16 + l] = d;
+          t[u * 2 + half] = tv;
+        } else {
+          const int64_t u = (b - 2 * np) * mt + i;
+          std::memcpy(q + np * mt * 2 * QK + u * QK, tmp, QK);
+          s[np * mt * 16 + u] = d;
+          t[np * mt * 2 + u] = tv;
+        }
       }
     }
-    for (int64_t p = 0; p < np; ++p) {  // lane scales: Q4 [b×4, b+1×4, b×4, b+1×4], Q8 [b×8, b+1×8]
-      float* dst = a.pat.data() + (m * np + p) * 16;
-      const float d0 = a.d[m * nb + 2 * p], d1 = a.d[m * nb + 2 * p + 1];
-      for (int i = 0; i < 16; ++i) dst[i] = (q4 ? (i / 4) % 2 : i / 8) ? d1 : d0;
-    }
+    m0 += mt;
   }
 }
 
-// Each row kernel computes, for one weight row and MT activation rows, Σ_b d_w·d_x·Σ q_w·q_x plus the offset term.
+// Each row kernel computes, for one weight row and MT activation rows, Σ_b d_w·d_x·Σ q_w·q_x plus the offset term:
+// acc[m · kGroup] the lane sums (reduced like the exact path's), cterm[m · kGroup] a scalar added after.
 template <int QT>
 constexpr bool kOffset = QT != Q8_0 || kQ8Flip;
 
 #if defined(DSPARK_VNNI512)
 template <int MT, int QT>
-inline void row_int8(const uint8_t* row, const Act& a, int64_t m0, float* out) {
+inline void sums_int8(const uint8_t* row, const ActTile& a, __m512* acc_out, float* cterm) {
   constexpr int64_t BB = kBlockBytes<QT>, OFF = kQsOffset<QT>;
   constexpr bool Q8 = QT == Q8_0;
-  const int64_t nb = a.nb, np = nb / 2;
-  const int8_t* aq[MT];
-  const float *ap[MT], *at[MT];
   __m512 acc[MT];
   __m128 accc[MT];
   for (int m = 0; m < MT; ++m) {
-    aq[m] = a.qrow(m0 + m);
-    ap[m] = a.prow(m0 + m);
-    at[m] = a.trow(m0 + m);
     acc[m] = _mm512_setzero_ps();
     accc[m] = _mm_setzero_ps();
   }
   const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const __m512i idx = Q8 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
                          : _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
-  for (int64_t p = 0; p < np; ++p) {
+  const int8_t* aq = a.q;
+  const float *as = a.s, *at = a.t;
+  for (int64_t p = 0; p < a.np; ++p, aq += MT * 64, as += MT * 16, at += MT * 2) {
     const uint8_t* b0 = row + 2 * p * BB;
     const uint8_t* b1 = b0 + BB;
+    prefetch_ahead(b0);
     __m512i wq;
     if constexpr (Q8) {
       const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + OFF));
@@ -412,21 +566,23 @@ inline void row_int8(const uint8_t* row, const Act& a, int64_t m0, float* out) {
       std::memcpy(&h1, b1 + 2, 2);
       c2 = _mm_cvtph_ps(_mm_insert_epi16(_mm_cvtsi32_si128(h0), h1, 1));  // [m_b, m_b+1, 0, 0]
     }
-    const __m512 s = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(d2));
+    const __m512 sw = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(d2));
     for (int m = 0; m < MT; ++m) {
-      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, _mm512_loadu_si512(aq[m] + 64 * p));
-      const __m512 sc = _mm512_mul_ps(s, _mm512_loadu_ps(ap[m] + 16 * p));
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, _mm512_loadu_si512(aq + 64 * m));
+      const __m512 sc = _mm512_mul_ps(sw, _mm512_loadu_ps(as + 16 * m));
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc, acc[m]);
-      const __m128 t2 = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(at[m] + 2 * p)));
-      accc[m] = _mm_fmadd_ps(c2, t2, accc[m]);
+      if constexpr (kOffset<QT>) {
+        const __m128 t2 = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(at + 2 * m)));
+        accc[m] = _mm_fmadd_ps(c2, t2, accc[m]);
+      }
     }
   }
   for (int m = 0; m < MT; ++m) {
-    out[m] = _mm512_reduce_add_ps(acc[m]) + _mm_cvtss_f32(accc[m]) + _mm_cvtss_f32(_mm_movehdup_ps(accc[m]));
+    acc_out[m * kGroup] = acc[m];
+    cterm[m * kGroup] = _mm_cvtss_f32(accc[m]) + _mm_cvtss_f32(_mm_movehdup_ps(accc[m]));
   }
-  if (nb & 1) {  // the last block of an odd count, in natural order
-    const int64_t b = nb - 1;
-    const uint8_t* blk = row + b * BB;
+  for (int64_t sb = 0; sb < a.ns; ++sb) {  // single blocks (the last of an odd count), in natural order
+    const uint8_t* blk = row + (2 * a.np + sb) * BB;
     __m256i wq;
     if constexpr (Q8) {
       wq = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + OFF)),
@@ -436,33 +592,32 @@ inline void row_int8(const uint8_t* row, const Act& a, int64_t m0, float* out) {
       wq = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
     }
     const float d = h2f(blk), c = QT == Q4_1 ? h2f(blk + 2) : d;
+    const int8_t* sq = a.q + a.np * MT * 64 + sb * MT * QK;
+    const float *ss = a.s + a.np * MT * 16 + sb * MT, *st = a.t + a.np * MT * 2 + sb * MT;
     for (int m = 0; m < MT; ++m) {
-      const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq[m] + QK * b));
+      const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sq + QK * m));
       const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wq, av);
-      out[m] += hsum256(_mm256_cvtepi32_ps(dot)) * d * a.drow(m0 + m)[b] + c * at[m][b];
+      cterm[m * kGroup] += hsum256(_mm256_cvtepi32_ps(dot)) * d * ss[m] + c * st[m];
     }
   }
 }
 
 #elif defined(DSPARK_AVX2)
 template <int MT, int QT>
-inline void row_int8(const uint8_t* row, const Act& a, int64_t m0, float* out) {
+inline void sums_int8(const uint8_t* row, const ActTile& a, __m256* acc_out, float* cterm) {
   constexpr int64_t BB = kBlockBytes<QT>, OFF = kQsOffset<QT>;
-  const int64_t nb = a.nb;
-  const int8_t* aq[MT];
-  const float *ad[MT], *at[MT];
   __m256 acc[MT];
   float cs[MT];
   for (int m = 0; m < MT; ++m) {
-    aq[m] = a.qrow(m0 + m);
-    ad[m] = a.drow(m0 + m);
-    at[m] = a.trow(m0 + m);
     acc[m] = _mm256_setzero_ps();
     cs[m] = 0.0f;
   }
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  for (int64_t b = 0; b < nb; ++b) {
+  const int8_t* aq = a.q;
+  const float *as = a.s, *at = a.t;
+  for (int64_t b = 0; b < a.ns; ++b, aq += MT * QK, as += MT, at += MT) {
     const uint8_t* blk = row + b * BB;
+    prefetch_ahead(blk);
     __m256i wq, wv;
     if constexpr (QT == Q8_0) {
       wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + OFF));
@@ -473,62 +628,75 @@ inline void row_int8(const uint8_t* row, const Act& a, int64_t m0, float* out) {
     }
     const float d = h2f(blk), c = QT == Q4_1 ? h2f(blk + 2) : d;
     for (int m = 0; m < MT; ++m) {
-      __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq[m] + QK * b));
+      __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(aq + QK * m));
       if constexpr (QT == Q8_0) av = _mm256_sign_epi8(av, wv);  // x·sign(w), so |w|·that = w·x
       const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, av), ones);
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * ad[m][b]), acc[m]);
-      if constexpr (kOffset<QT>) cs[m] += c * at[m][b];
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * as[m]), acc[m]);
+      if constexpr (kOffset<QT>) cs[m] += c * at[m];
     }
   }
-  for (int m = 0; m < MT; ++m) out[m] = hsum256(acc[m]) + cs[m];
+  for (int m = 0; m < MT; ++m) {
+    acc_out[m * kGroup] = acc[m];
+    cterm[m * kGroup] = cs[m];
+  }
 }
 
 #else
 template <int MT, int QT>
-inline void row_int8(const uint8_t* row, const Act& a, int64_t m0, float* out) {
+inline void sums_int8(const uint8_t* row, const ActTile& a, float* acc_out, float* cterm) {
   constexpr int64_t BB = kBlockBytes<QT>, OFF = kQsOffset<QT>;
-  const int64_t nb = a.nb;
+  float out[MT];
   for (int m = 0; m < MT; ++m) out[m] = 0.0f;
-  for (int64_t b = 0; b < nb; ++b) {
+  for (int64_t b = 0; b < a.ns; ++b) {
     const uint8_t* blk = row + b * BB;
     const uint8_t* q = blk + OFF;
     const float d = h2f(blk), c = QT == Q4_1 ? h2f(blk + 2) : d;
     for (int m = 0; m < MT; ++m) {
-      const int8_t* x = a.qrow(m0 + m) + QK * b;
+      const int8_t* x = a.q + (b * MT + m) * QK;
       int32_t s = 0;
       if constexpr (QT == Q8_0) {
         for (int i = 0; i < QK; ++i) s += int32_t(static_cast<int8_t>(q[i])) * x[i];
       } else {
         for (int i = 0; i < 16; ++i) s += int32_t(q[i] & 0x0F) * x[i] + int32_t(q[i] >> 4) * x[i + 16];
       }
-      out[m] += float(s) * d * a.drow(m0 + m)[b];
-      if constexpr (kOffset<QT>) out[m] += c * a.trow(m0 + m)[b];
+      out[m] += float(s) * d * a.s[b * MT + m];
+      if constexpr (kOffset<QT>) out[m] += c * a.t[b * MT + m];
     }
+  }
+  for (int m = 0; m < MT; ++m) {
+    acc_out[m * kGroup] = out[m];
+    cterm[m * kGroup] = 0.0f;
   }
 }
 #endif
 
+// Weight rows n0 .. n0+g-1 (g ≤ kGroup) against the MT rows of one activation tile.
 template <int MT, int QT>
-void rows_int8(const Weights& W, const Act& a, int64_t m0, int64_t n0, int64_t n1, float* y, int64_t N) {
-  float out[MT];
-  for (int64_t n = n0; n < n1; ++n) {
-    row_int8<MT, QT>(W.blocks + n * W.row_bytes, a, m0, out);
-    for (int m = 0; m < MT; ++m) y[(m0 + m) * N + n] = W.bias != nullptr ? out[m] + W.bias[n] : out[m];
-  }
+void group_int8(const Weights& W, const ActTile& a, int64_t m0, int64_t n0, int g, float* y, int64_t N) {
+  Lanes sums[MT * kGroup];
+  alignas(64) float cterm[MT * kGroup];
+  for (int j = 0; j < g; ++j) sums_int8<MT, QT>(W.blocks + (n0 + j) * W.row_bytes, a, sums + j, cterm + j);
+  for (int j = g; j < kGroup; ++j)
+    for (int m = 0; m < MT; ++m) {
+      sums[m * kGroup + j] = lanes_zero();
+      cterm[m * kGroup + j] = 0.0f;
+    }
+  const float* bias = W.bias != nullptr ? W.bias + n0 : nullptr;
+  for (int m = 0; m < MT; ++m) store_group(sums + m * kGroup, cterm + m * kGroup, bias, g, y + (m0 + m) * N + n0);
 }
 
 template <int QT>
-void tile_int8(int mt, const Weights& W, const Act& a, int64_t m0, int64_t n0, int64_t n1, float* y, int64_t N) {
+void tile_int8(int mt, const Weights& W, const ActTile& a, int64_t m0, int64_t n0, int g, float* y, int64_t N) {
   switch (mt) {
-    case 1: return rows_int8<1, QT>(W, a, m0, n0, n1, y, N);
-    case 2: return rows_int8<2, QT>(W, a, m0, n0, n1, y, N);
-    case 3: return rows_int8<3, QT>(W, a, m0, n0, n1, y, N);
-    case 4: return rows_int8<4, QT>(W, a, m0, n0, n1, y, N);
+    case 1: return group_int8<1, QT>(W, a, m0, n0, g, y, N);
+    case 2: return group_int8<2, QT>(W, a, m0, n0, g, y, N);
+    case 3: return group_int8<3, QT>(W, a, m0, n0, g, y, N);
+    case 4: return group_int8<4, QT>(W, a, m0, n0, g, y, N);
 #if defined(DSPARK_VNNI512)
-    case 5: return rows_int8<5, QT>(W, a, m0, n0, n1, y, N);
-    case 6: return rows_int8<6, QT>(W, a, m0, n0, n1, y, N);
-    case 7: return rows_int8<7, QT>(W, a, m0, n0, n1, y, N);
-    case 8: return rows_int8<8, QT>(W, a, m0, n0, n1, y, N);
+    case 5: return group_int8<5, QT>(W, a, m0, n0, g, y, N);
+    case 6: return group_int8<6, QT>(W, a, m0, n0, g, y, N);
+    case 7: return group_int8<7, QT>(W, a, m0, n0, g, y, N);
+    case 8: return group_int8<8, QT>(W, a, m0, n0, g, y, N);
 #endif
     default: TORCH_CHECK(false, "dspark quant_linear: bad tile ", mt);
   }
@@ -537,11 +705,18 @@ void tile_int8(int mt, const Weights& W, const Act& a, int64_t m0, int64_t n0, i
 template <int QT>
 void run_int8(const Weights& W, const float* x, int64_t M, int64_t K, int64_t N, float* y) {
   thread_local Act act;  // reused between calls (the caller's thread quantizes; workers only read)
-  quantize_rows(x, M, K, QT, act);
+  const int64_t tiles = (M + kInt8Tile - 1) / kInt8Tile, groups = (N + kGroup - 1) / kGroup;
+  quantize_rows(x, M, K, QT, tiles, act);
   const Act& a = act;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t m0 = 0; m0 < M; m0 += kInt8Tile) {
-      tile_int8<QT>(static_cast<int>(std::min<int64_t>(kInt8Tile, M - m0)), W, a, m0, n0, n1, y, N);
+  at::parallel_for(0, groups, std::max<int64_t>(1, 16 / kGroup), [&](int64_t g0, int64_t g1) {
+    for (int64_t grp = g0; grp < g1; ++grp) {
+      const int64_t n0 = grp * kGroup;
+      const int g = static_cast<int>(std::min<int64_t>(kGroup, N - n0));
+      for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
+        const int64_t mt = tile_rows(M, m0, tiles - t);
+        tile_int8<QT>(static_cast<int>(mt), W, ActTile(a, m0), m0, n0, g, y, N);
+        m0 += mt;
+      }
     }
   });
 }
@@ -558,7 +733,8 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& blocks, const 
   TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "dspark quant_linear: unknown qtype ", qtype);
   TORCH_CHECK(x_in.dim() == 2, "dspark quant_linear: x must be [M, K], got ", x_in.sizes());
   TORCH_CHECK(x_in.device().is_cpu() && blocks.device().is_cpu(), "dspark quant_linear: CPU tensors only");
-  const at::Tensor x = x_in.scalar_type() == at::kFloat ? x_in.contiguous() : x_in.to(at::kFloat).contiguous();
+  at::Tensor x = x_in.scalar_type() == at::kFloat ? x_in.contiguous() : x_in.to(at::kFloat).contiguous();
+  if (!int8 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 64 != 0) x = x.clone();  // aligned rows for the loads
   const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
   TORCH_CHECK(K % QK == 0, "dspark quant_linear: K = ", K, " is not a multiple of 32");
   const int64_t row_bytes = K / QK * block_bytes(qtype);

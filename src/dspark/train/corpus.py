@@ -178,11 +178,6 @@ def source_files(cfg: CorpusConfig) -> list[tuple[str, Path]]:
     return sorted(found.items())
 
 
-def iter_source_files(cfg: CorpusConfig) -> list[Path]:
-    """Paths of the corpus's .py files, in the deterministic order of their relative names."""
-    return [path for _, path in source_files(cfg)]
-
-
 def split_of(relpath: str, cfg: CorpusConfig) -> str:
     """'train' | 'validation' | 'test', from a stable hash of the relative name (not Python's hash)."""
     digest = hashlib.sha256(relpath.encode("utf-8")).digest()

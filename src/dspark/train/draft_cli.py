@@ -131,9 +131,9 @@ def cmd_prepare_features(args: argparse.Namespace) -> int:
 
     from dspark.checkpoint.resolve import resolve_model_ref
     from dspark.models.loading import load_target
+    from dspark.train.draft_config import spread_taps
     from dspark.train.features import prepare_features
     from dspark.train.regenerate import TRAIN_FILE, VALIDATION_FILE, DraftDataset
-    from dspark.train.trainer import spread_taps
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     target = load_target(resolve_model_ref(args.target_dir, role="prepare-features --target"), "float32")
@@ -234,7 +234,8 @@ _TRAIN_FLAGS = {
 
 
 def cmd_train_draft(args: argparse.Namespace) -> int:
-    from dspark.train.trainer import DraftTrainConfig, train_draft
+    from dspark.train.draft_config import DraftTrainConfig
+    from dspark.train.trainer import train_draft
 
     overrides = {fld: getattr(args, fld) for fld, _, _ in _TRAIN_FLAGS.values() if getattr(args, fld) is not None}
     if args.dflash:
@@ -276,7 +277,7 @@ def run_state(name: str, overrides: dict) -> bool:
     flags taken from that drafter unless given) when there is one and no --init-from. Edits ``overrides``."""
     from dspark.checkpoint.gguf import cache_root
     from dspark.checkpoint.resolve import bundled_drafters
-    from dspark.train.loop import checkpoint_path
+    from dspark.train.checkpoint import checkpoint_path
 
     if not name or "/" in name or name.startswith("."):
         raise ValueError(f"--run {name!r}: a run name is one plain path component, e.g. --run smollm2-sharegpt")

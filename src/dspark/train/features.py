@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from dspark.train.loop import bf16_autocast
 from dspark.train.regenerate import MANIFEST_FILE, TRAIN_FILE, VALIDATION_FILE, DraftDataset
 
 MANIFEST = "manifest.json"
@@ -84,7 +85,7 @@ def target_features(
             hidden=torch.cat([torch.nn.functional.pad(f.hidden, p) for f, p in zip(rows, pad)]),
         )
     _, tdtype = _dtypes(feature_dtype)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with bf16_autocast(autocast):
         if chunk is not None and input_ids.shape[1] > chunk:
             taps, hidden = _chunked_forward(target, input_ids, tuple(tap_layers), chunk, absorbed)
         else:
@@ -126,7 +127,7 @@ def _chunked_forward(
 def target_logits_at(lm_head: nn.Module, hidden: torch.Tensor, rows: torch.Tensor, autocast: bool) -> torch.Tensor:
     """Target next-token logits fp32 [B, N, V] at row indices rows [B, N] of hidden [B, S, D]."""
     picked = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1]))
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with bf16_autocast(autocast):
         w = lm_head.weight
         return lm_head(picked.to(w.dtype)).float()
 

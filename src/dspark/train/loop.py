@@ -1,7 +1,9 @@
 """The run loop every trainer shares (DeepSpec's base trainer, as one class): stop rules, the learning-rate
 schedule, the time-derived cosine horizon, evaluation and checkpoint intervals, the final evaluation, checkpoint
 and export. ``TargetTrainer`` (``pretrain.py``) and ``DraftTrainer`` (``trainer.py``) implement only what differs:
-one optimizer step and its bookkeeping, evaluation, saving and exporting.
+one optimizer step and its bookkeeping, evaluation, saving and exporting. The helpers both use around a step live
+here too: the schedule (``lr_at``), bf16 autocast and the training thread count; checkpoint I/O is in
+``checkpoint.py``.
 
 Stop rules, checked before every step: ``max_steps`` reached, the wall-clock budget ``max_minutes`` spent (across
 resumes; under DDP every rank stops at the same step), or ``halt_at_step`` (checkpoint, no final evaluation or
@@ -21,39 +23,20 @@ import os
 import sys
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
+from dspark.train.checkpoint import checkpoint_path
+
 HORIZON_MARGIN = 0.97  # fraction of the remaining budget a derived horizon plans to use
 
 StepOut = TypeVar("StepOut")
-
-
-def checkpoint_path(out_dir: str | Path) -> Path:
-    return Path(out_dir) / "checkpoint" / "last.pt"
-
-
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    """torch.save to a temp file in the same directory, fsync, then rename: never a half-written checkpoint."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def warmup_cosine(step: int, lr: float, warmup: int, max_steps: int | None, min_lr_ratio: float) -> float:
@@ -68,7 +51,39 @@ def warmup_cosine(step: int, lr: float, warmup: int, max_steps: int | None, min_
     return floor + (lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-class LoopConfig(Protocol):
+class ScheduleConfig(Protocol):
+    """What the learning-rate schedule reads from a training config."""
+
+    @property
+    def lr(self) -> float: ...
+    @property
+    def min_lr_ratio(self) -> float: ...
+    def warmup_for(self, max_steps: int | None) -> int: ...
+
+
+def lr_at(step: int, cfg: ScheduleConfig, max_steps: int | None) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warmup, then cosine to lr·min_lr_ratio.
+    ``max_steps`` is None only while a timed run is still probing its speed (inside the warmup)."""
+    return warmup_cosine(step, cfg.lr, cfg.warmup_for(max_steps), max_steps, cfg.min_lr_ratio)
+
+
+def bf16_autocast(enabled: bool) -> torch.autocast:
+    """The CPU bf16 autocast region of training forwards (a no-op when not ``enabled``)."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
+
+
+@contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to ``n`` (None: min(2, cpu count)) for the block, restored after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n or max(1, min(2, os.cpu_count() or 1)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+class LoopConfig(ScheduleConfig, Protocol):
     """The fields of a training config the shared loop reads (PretrainConfig and DraftTrainConfig have them)."""
 
     @property
@@ -126,8 +141,9 @@ class TrainLoop(ABC, Generic[StepOut]):
     def export(self, stopped_by: str) -> Path:
         """Write the final model directory (rank 0 only)."""
 
-    @abstractmethod
-    def warmup_steps(self) -> int: ...
+    def warmup_steps(self) -> int:
+        """Warmup steps of the schedule at the current horizon (the config's ``warmup_for``)."""
+        return self.cfg.warmup_for(self.max_steps)
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank when it is true on any (DDP: an all-reduce)."""
@@ -149,6 +165,13 @@ class TrainLoop(ABC, Generic[StepOut]):
     def barrier(self) -> None: ...
 
     # ---- the loop ---------------------------------------------------------------------------------------------
+    def apply_lr(self, optimizer: torch.optim.Optimizer) -> float:
+        """Set the schedule's learning rate of step ``self.step`` on every parameter group; returns it."""
+        lr = lr_at(self.step, self.cfg, self.max_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
     def say(self, msg: str) -> None:
         if self.cfg.progress and self.master:
             tqdm.write(msg, file=sys.stderr)
