@@ -123,3 +123,28 @@ def write_gguf(path: Path, model: torch.nn.Module, arch: str, *, add_bos: bool =
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def tiny_hf(cls, cfg_cls, **kw):
+    """A tiny seeded transformers model of class cls (norms and biases moved off their init values)."""
+    torch.manual_seed(0)
+    cfg = cfg_cls(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        **kw,
+    )
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.1)  # norms away from 1, biases away from 0: a wrong map shows
+    return model

@@ -23,7 +23,7 @@ from dspark.checkpoint import resolve
 from dspark.checkpoint.gguf import dequantize, export_gguf, read_gguf_state
 from dspark.checkpoint.io import CheckpointError
 from dspark.config import ConfigError
-from gguf_fixtures import VOCAB_SIZE, write_gguf
+from gguf_fixtures import VOCAB_SIZE, tiny_hf, write_gguf
 
 
 @pytest.fixture(autouse=True)
@@ -66,28 +66,6 @@ def test_dequantize_matches_gguf_reference(tmp_path):
     assert seen == {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"}
 
 
-def _tiny(cls, cfg_cls, **kw):
-    torch.manual_seed(0)
-    cfg = cfg_cls(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-6,
-        bos_token_id=1,
-        eos_token_id=2,
-        **kw,
-    )
-    model = cls(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.add_(torch.randn_like(p) * 0.1)  # norms away from 1, biases away from 0: a wrong map shows
-    return model
 
 
 CASES = {
@@ -100,7 +78,7 @@ CASES = {
 @pytest.mark.parametrize("arch", sorted(CASES))
 def test_export_runs_in_transformers_like_the_source_model(tmp_path, arch):
     cls, cfg_cls, kw = CASES[arch]
-    src = _tiny(cls, cfg_cls, **kw)
+    src = tiny_hf(cls, cfg_cls, **kw)
     path = write_gguf(tmp_path / f"tiny-{arch}.gguf", src, arch)
     out = export_gguf(path)
     cfg = json.loads((out / "config.json").read_text())
@@ -114,7 +92,7 @@ def test_export_runs_in_transformers_like_the_source_model(tmp_path, arch):
 
 
 def test_quantized_tensors_load_as_reference_dequantized(tmp_path):
-    src = _tiny(LlamaForCausalLM, LlamaConfig, tie_word_embeddings=True)
+    src = tiny_hf(LlamaForCausalLM, LlamaConfig, tie_word_embeddings=True)
     qtypes = {"blk.0.attn_q.weight": Q.Q4_1, "blk.1.ffn_up.weight": Q.Q8_0, "blk.0.ffn_down.weight": Q.Q4_0}
     path = write_gguf(tmp_path / "q.gguf", src, "llama", qtypes=qtypes)
     _, state = read_gguf_state(path)
@@ -129,7 +107,7 @@ def test_quantized_tensors_load_as_reference_dequantized(tmp_path):
 
 @pytest.mark.parametrize("add_bos", [False, True])
 def test_exported_tokenizer_matches_the_gguf_tokenizer(tmp_path, add_bos):
-    src = _tiny(LlamaForCausalLM, LlamaConfig, tie_word_embeddings=True)
+    src = tiny_hf(LlamaForCausalLM, LlamaConfig, tie_word_embeddings=True)
     path = write_gguf(tmp_path / "t.gguf", src, "llama", add_bos=add_bos)
     out = export_gguf(path)
     ref = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
@@ -147,7 +125,7 @@ def test_exported_tokenizer_matches_the_gguf_tokenizer(tmp_path, add_bos):
 
 
 def test_export_is_cached_and_atomic(tmp_path):
-    src = _tiny(LlamaForCausalLM, LlamaConfig, tie_word_embeddings=True)
+    src = tiny_hf(LlamaForCausalLM, LlamaConfig, tie_word_embeddings=True)
     path = write_gguf(tmp_path / "c.gguf", src, "llama")
     out = export_gguf(path)
     stamp = (out / "model.safetensors").stat().st_mtime_ns
@@ -199,7 +177,7 @@ def test_engine_prompt_ids_equal_autotokenizer_on_the_export(tmp_path, add_bos):
     from dspark.llm import build_engine
     from dspark.sampling_params import SamplingParams
 
-    src = _tiny(LlamaForCausalLM, LlamaConfig, tie_word_embeddings=True)
+    src = tiny_hf(LlamaForCausalLM, LlamaConfig, tie_word_embeddings=True)
     path = write_gguf(tmp_path / "t.gguf", src, "llama", add_bos=add_bos)
     engine = build_engine(path, None, dtype="float32", max_num_seqs=2)
     ref = AutoTokenizer.from_pretrained(resolve.resolve_model_ref(path))

@@ -18,7 +18,7 @@ from dspark.checkpoint.gguf import SOURCE_FILE, export_gguf, gguf_source, read_g
 from dspark.config import ConfigError
 from dspark.models.loading import load_target
 from dspark.models.quantized import QuantLinear
-from gguf_fixtures import VOCAB_SIZE, write_gguf
+from gguf_fixtures import VOCAB_SIZE, tiny_hf, write_gguf
 
 NATIVE = native.available()  # built (or found) before any test points DSPARK_CACHE elsewhere
 needs_native = pytest.mark.skipif(not NATIVE, reason=f"native kernels: {native.status()}")
@@ -32,22 +32,7 @@ QTYPES |= {"blk.1.attn_v.weight": Q.Q8_0, "blk.0.ffn_down.weight": Q.Q8_0, "toke
 
 @pytest.fixture(scope="module")
 def export(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-6,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=True,
-    )
-    src = LlamaForCausalLM(cfg).eval()
+    src = tiny_hf(LlamaForCausalLM, LlamaConfig, tie_word_embeddings=True)
     tmp = tmp_path_factory.mktemp("native-gguf")
     path = write_gguf(tmp / "tiny-q.gguf", src, "llama", qtypes=QTYPES)
     return export_gguf(path, out=tmp / "export")

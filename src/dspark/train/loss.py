@@ -84,18 +84,16 @@ def _slot_terms(
     logp_d = torch.log_softmax(draft.to(dtype), dim=-1)
     ce = -torch.gather(logp_d, -1, labels.unsqueeze(-1)).squeeze(-1)
     logp_t = torch.log_softmax(target.to(dtype), dim=-1)
-    other = None
-    if vocab_ids is not None:
-        logp_t = logp_t.index_select(-1, vocab_ids)  # the target's mass on the draft ids ...
-        mass = logp_t.exp().sum(-1, keepdim=True)
-        other = (1.0 - mass).clamp_min(0.0).squeeze(-1)  # ... and outside them
-        logp_t = logp_t - mass.clamp_min(_EPS).log()  # renormalised over the draft ids, for the KL term
-        p_t = logp_t.exp() * mass
-    else:
+    if vocab_ids is None:
         p_t = logp_t.exp()
-    l1 = (logp_d.exp() - p_t).abs().sum(dim=-1)
-    if other is not None:
-        l1 = l1 + other
+        l1 = (logp_d.exp() - p_t).abs().sum(dim=-1)
+    else:
+        logp_s = logp_t.index_select(-1, vocab_ids)  # the target's mass on the draft ids ...
+        p_s = logp_s.exp()
+        mass = p_s.sum(-1, keepdim=True)
+        other = (1.0 - mass).clamp_min(0.0).squeeze(-1)  # ... and outside them, which no draft can take
+        l1 = (logp_d.exp() - p_s).abs().sum(dim=-1) + other
+        logp_t = logp_s - mass.clamp_min(_EPS).log()  # renormalised over the draft ids, for the KL term
         p_t = logp_t.exp()
     kl = (p_t * (logp_t - logp_d)).sum(dim=-1)
     return ce, l1, kl
@@ -149,6 +147,27 @@ def _check_shapes(
             raise ValueError(f"{name} shape {tuple(tensor.shape)} must be [B, A, K] = {tuple(slots)}")
 
 
+def _draft_labels(labels: Tensor, mask: Tensor, vocab_ids: Tensor | None, V: int) -> tuple[Tensor, Tensor]:
+    """→ (labels as indices into the draft logits, where CE applies). Unsupervised labels may be -100 or junk;
+    with a reduced vocabulary a label outside it has no draft index and no CE term."""
+    safe = torch.where(mask, labels.long(), 0)
+    if vocab_ids is None:
+        return safe, mask
+    index_of = torch.full((V,), -1, dtype=torch.long, device=labels.device)
+    index_of[vocab_ids] = torch.arange(vocab_ids.numel(), device=labels.device)
+    safe = index_of[safe]
+    return safe.clamp_min(0), mask & (safe >= 0)
+
+
+@torch.no_grad()
+def _acceptance(c_star: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """c* [B, A, K] (0 where unsupervised) → (mean c* per slot [K], mean τ over supervised blocks)."""
+    accept_rate = c_star.sum(dim=(0, 1)) / mask.to(c_star.dtype).sum(dim=(0, 1)).clamp_min(1.0)
+    blocks = mask[..., 0]  # [B, A]: at least one supervised slot (prefix mask)
+    tau_block = 1.0 + torch.cumprod(c_star, dim=-1).sum(dim=-1)  # [B, A]
+    return accept_rate, (tau_block * blocks).sum() / blocks.sum().clamp_min(1)
+
+
 def dspark_loss(
     draft_logits: Tensor,
     target_logits: Tensor,
@@ -174,14 +193,7 @@ def dspark_loss(
     V = target_logits.shape[-1]
     device = draft_logits.device
     mask = eval_mask.bool()
-    safe_labels = torch.where(mask, labels.long(), 0)  # unsupervised labels may be -100 or junk
-    ce_mask = mask
-    if vocab_ids is not None:  # labels as draft indices; CE only where the label is a draft id
-        index_of = torch.full((V,), -1, dtype=torch.long, device=device)
-        index_of[vocab_ids] = torch.arange(N, device=device)
-        safe_labels = index_of[safe_labels]
-        ce_mask = mask & (safe_labels >= 0)
-        safe_labels = safe_labels.clamp_min(0)
+    safe_labels, ce_mask = _draft_labels(labels, mask, vocab_ids, V)
 
     ce, l1, kl = _all_slot_terms(
         draft_logits.reshape(B * A, K, N),
@@ -221,13 +233,7 @@ def dspark_loss(
         if alpha != 0.0:
             total = total + alpha * term
 
-    with torch.no_grad():
-        per_k = mask_f.sum(dim=(0, 1))  # [K]
-        accept_rate = c_star.sum(dim=(0, 1)) / per_k.clamp_min(1.0)
-        blocks = mask[..., 0]  # [B, A]: at least one supervised slot (prefix mask)
-        tau_block = 1.0 + torch.cumprod(c_star, dim=-1).sum(dim=-1)  # [B, A]
-        tau = (tau_block * blocks).sum() / blocks.sum().clamp_min(1)
-
+    accept_rate, tau = _acceptance(c_star, mask)
     return DSparkLoss(
         loss=total,
         ce=loss_ce,
