@@ -46,6 +46,7 @@ class MoEGate(nn.Module):
         assert cfg.n_routed_experts is not None and cfg.num_experts_per_tok is not None
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        nn.init.kaiming_uniform_(self.weight, a=5**0.5)  # as nn.Linear: never uninitialised memory (NaN routing)
         if cfg.topk_method == "noaux_tc":
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts), persistent=True)
         else:
