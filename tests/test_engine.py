@@ -254,7 +254,7 @@ def test_cache_report_bytes_per_token():
     width = target.config.kv_lora_rank + target.config.qk_rope_head_dim  # one latent row per token per layer
     assert rep["target_width"] == rep["draft_width"] == width and rep["shared_pool"]
     assert rep["target_page_kind"] == rep["draft_page_kind"] == "mla"
-    assert rep["target_bytes_per_token"] == target.num_layers * width * 4
+    assert rep["target_bytes_per_token"] == target.config.num_hidden_layers * width * 4
     assert rep["draft_bytes_per_token"] == len(drafter.layers) * width * 4
 
 

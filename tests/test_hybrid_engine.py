@@ -87,7 +87,7 @@ def test_oracle_drafter_all_accepted_and_state_report():
     report = eng.cache_report()
     kda = target.config.kda
     assert report["state_bytes_per_request"] == len(target.config.kda_layers) * kda.state_numel * 4
-    assert report["target_bytes_per_token"] == len(target.config.mla_layers) * target.latent_dim * 4  # MLA only
+    assert report["target_bytes_per_token"] == len(target.config.mla_layers) * target.config.mla.latent_dim * 4
     from dspark.cli import cache_report_lines
 
     mib = report["state_bytes_per_request"] / 2**20

@@ -138,18 +138,6 @@ class KimiLinearTarget(DecoderTarget):
     def tap_streams(self) -> tuple[str, ...]:
         return self.config.tap_streams
 
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_hidden_layers
-
-    @property
-    def hidden_size(self) -> int:
-        return self.config.base.hidden_size
-
-    @property
-    def latent_dim(self) -> int:
-        return self.config.mla.latent_dim
-
     def forward(
         self,
         input_ids: torch.Tensor,

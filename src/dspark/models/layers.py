@@ -12,6 +12,7 @@ from torch import nn
 import dspark.native as native
 from dspark.config import RopeConfig
 from dspark.models.packing import Linear, Packable, PackedWeight, packed_linear
+from dspark.models.protocol import StateSpec
 from dspark.models.quantized import QuantGroup, QuantLinear, silu_mul_f32
 from dspark.models.rope import RotaryEmbedding
 
@@ -333,6 +334,11 @@ class DecoderTarget(nn.Module):
     @property
     def embed_tokens(self) -> nn.Embedding:
         return self.model.embed_tokens
+
+    @property
+    def state_spec(self) -> StateSpec | None:
+        """Per-request recurrent state beside the pages (none for attention-only families)."""
+        return None
 
     def fuse_for_inference(self) -> None:
         """Fused weights for the inference path: every layer's FFN (SwiGLU gate|up, stacked experts) and its

@@ -32,7 +32,7 @@ from dspark.models.layers import (
     same_dtype,
 )
 from dspark.models.packing import Linear, Packable, PackedWeight, packed_linear
-from dspark.models.protocol import CacheView, PageFormat, StateSpec, TargetOutput, head_output
+from dspark.models.protocol import CacheView, PageFormat, TargetOutput, head_output
 from dspark.models.quantized import QuantGroup, QuantLinear
 from dspark.models.rope import apply_rope_half, half_rotation_tables
 from dspark.profiling import scope
@@ -175,10 +175,6 @@ class LlamaTarget(DecoderTarget):
         cfg = self.config
         return PageFormat("gqa", 2 * cfg.num_key_value_heads * cfg.head_dim, cfg.num_hidden_layers)
 
-    @property
-    def state_spec(self) -> StateSpec | None:
-        return None
-
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -187,12 +183,11 @@ class LlamaTarget(DecoderTarget):
         cache: CacheView | None = None,
         tap_layers: Sequence[int] = (),
         logits_rows: torch.Tensor | None = None,
-        absorbed: bool = True,
+        absorbed: bool = True,  # MLA's attention form, chosen by code that drives every family: GQA has one
         compute_logits: bool = True,
     ) -> TargetOutput:
         """input_ids [B, T]; positions [B, T] (default 0..T-1); mask [B, T, S] bool (default causal, S = T);
-        logits_rows [B, N] row indices into T (default all rows). ``absorbed`` selects MLA's attention form in the
-        training code that drives every family alike; GQA has one form and ignores it."""
+        logits_rows [B, N] row indices into T (default all rows)."""
         B, T = input_ids.shape
         if positions is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)

@@ -235,7 +235,7 @@ class MLAttention(nn.Module, Packable):
             latent, q_nope, q_pe = self.project(x, cos, sin)
         with scope("cache"):
             kv = latent if store is None else store.update(self.layer_idx, latent)
-        return self.attend_queries(x, q_nope, q_pe, kv, mask, absorbed)
+        return self.attend_queries(x, (q_nope, q_pe), kv, mask, absorbed)
 
     def attend_from_kv(
         self,
@@ -249,18 +249,15 @@ class MLAttention(nn.Module, Packable):
         """Queries from x [B,T,D] over given latents kv [B,S,C+R] → [B,T,D] (used by the drafter's block rows)."""
         with scope("attn.proj"):
             q_nope, q_pe = self.query(x, cos, sin)
-        return self.attend_queries(x, q_nope, q_pe, kv, mask, absorbed)
+        return self.attend_queries(x, (q_nope, q_pe), kv, mask, absorbed)
 
     def attend_queries(
-        self,
-        x: torch.Tensor,
-        q_nope: torch.Tensor,
-        q_pe: torch.Tensor,
-        kv: torch.Tensor,
-        mask: torch.Tensor,
-        absorbed: bool = True,
+        self, x: torch.Tensor, queries: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor, mask: torch.Tensor,
+        absorbed: bool,
     ) -> torch.Tensor:
-        """Projected queries over latents kv [B,S,C+R], then the output projection (x feeds the output gate)."""
+        """Projected queries (q_nope, q_pe) over latents kv [B,S,C+R], then the output projection (x feeds the
+        output gate)."""
+        q_nope, q_pe = queries
         with scope("attn.core"):
             attend = self.attend_absorbed if absorbed else self.attend_naive
             out = attend(q_nope, q_pe, same_dtype(kv, q_nope.dtype), mask)

@@ -28,7 +28,7 @@ from dspark.models.layers import (
 )
 from dspark.models.mla import LatentStore, MLAttention
 from dspark.models.packing import Packable, version_of
-from dspark.models.protocol import PageFormat, StateSpec, TargetOutput, head_output
+from dspark.models.protocol import PageFormat, TargetOutput, head_output
 from dspark.profiling import scope
 
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) → hidden
@@ -318,18 +318,6 @@ class MLATarget(DecoderTarget):
     @property
     def page_format(self) -> PageFormat:
         return PageFormat("mla", self.config.mla.latent_dim, self.config.num_hidden_layers)
-
-    @property
-    def state_spec(self) -> StateSpec | None:
-        return None
-
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_hidden_layers
-
-    @property
-    def latent_dim(self) -> int:
-        return self.config.mla.latent_dim
 
     def forward(
         self,
