@@ -336,3 +336,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from dspark.train.sharegpt import add_parser as add_sharegpt_data
 
     add_sharegpt_data(sub)
+    from dspark.train.sharegpt_regen import add_parser as add_sharegpt_regen
+
+    add_sharegpt_regen(sub)
