@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from dspark.cli_common import (
     add_precision_args,
+    add_prefix_caching_arg,
     add_threads_arg,
     apply_threads,
     default_spec,
@@ -363,6 +364,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         seed=args.seed or 0,
         attention_backend=args.attention_backend,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
     chat, why = prompt_format(engines[0], args.chat)
     prompt = _prompt(engines[0], args.prompt, chat)
@@ -451,6 +453,17 @@ def cache_report_lines(c: dict) -> list[str]:
             f"recurrent state (KDA layers): {_mib(c['state_bytes_per_request'])} per request, whatever its length "
             f"({c['state_slots']} slots)"
         )
+    if c.get("prefix_caching"):
+        lines.append(
+            f"prefix cache: {c['prefix_cached_blocks']} blocks cached ({c['prefix_idle_cached_blocks']} unused, "
+            f"evicted when the pool needs them); hit rate {c['prefix_cache_hit_rate']:.0%} "
+            f"({c['prefix_cache_hits']} of {c['prefix_cache_queries']} prompt tokens)"
+        )
+    if "state_snapshots" in c:
+        lines.append(
+            f"state snapshots: {c['state_snapshots']} of at most {c['max_state_snapshots']} "
+            f"({_mib(c['state_snapshot_bytes'])}): a hit on a stateful target reaches as far as a snapshot"
+        )
     return lines
 
 
@@ -479,6 +492,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature:
         default=None,
         help="target attention: torch | sdpa | a vLLM backend name (runs as sdpa here); default: each model's",
     )
+    add_prefix_caching_arg(p)
     add_threads_arg(p)
 
 
@@ -533,6 +547,7 @@ def cmd_verify_lossless(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         quantization=args.quantization,
         attention_backend=args.attention_backend,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
     precision = spec_engine.precision
     print(
@@ -630,6 +645,7 @@ def add_verify_lossless(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="target attention: torch | sdpa | a vLLM backend name (runs as sdpa here); default: each model's",
     )
+    add_prefix_caching_arg(p)
     add_threads_arg(p)
     p.set_defaults(func=cmd_verify_lossless, no_spec=False)
 

@@ -86,6 +86,20 @@ def add_precision_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_prefix_caching_arg(p: argparse.ArgumentParser) -> None:
+    """``--enable-prefix-caching`` / ``--no-enable-prefix-caching`` (vLLM's flags), default from ``CacheConfig``."""
+    from dspark.config import CacheConfig
+
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=CacheConfig.enable_prefix_caching,
+        help="share the KV pages of full blocks between requests with the same prefix (a system prompt, an earlier "
+        "turn) and keep them after use until the pool needs them (vLLM's automatic prefix caching; default: "
+        f"{'on' if CacheConfig.enable_prefix_caching else 'off'})",
+    )
+
+
 def apply_threads(args: argparse.Namespace) -> None:
     """Set the ``--threads`` choice, when given, before any model loads."""
     if getattr(args, "threads", None) is not None:

@@ -72,6 +72,8 @@ def build_engines(
     max_waiting: int = EngineConfig.max_waiting,
     swap_space: float | None = CacheConfig.swap_space,
     attention_backend: str | None = EngineConfig.attention_backend,
+    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
+    max_state_snapshots: int | None = CacheConfig.max_state_snapshots,
 ) -> list[Engine]:
     """One engine per speculative config, all sharing one loaded target (and drafters per directory).
 
@@ -93,7 +95,13 @@ def build_engines(
         max_waiting=max_waiting,
         attention_backend=attention_backend,
     )
-    cache = CacheConfig(page_size=page_size, num_pages=num_pages, swap_space=swap_space)
+    cache = CacheConfig(
+        page_size=page_size,
+        num_pages=num_pages,
+        swap_space=swap_space,
+        enable_prefix_caching=enable_prefix_caching,
+        max_state_snapshots=max_state_snapshots,
+    )
     draft_dirs = [resolve_draft(spec, target_dir) if spec is not None else None for spec in specs]
     check_before_load(target_dir, draft_dirs)  # the doctor refuses what `dspark check` rejects
     target = load_target(target_spec, dtype, precision.quantization)  # only the target is quantized

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from dspark.cli_common import add_precision_args, float_list, int_list
+from dspark.cli_common import add_precision_args, add_prefix_caching_arg, float_list, int_list
 from dspark.config import ConfigError
 
 BASELINES_HELP = "dflash,ngram,dspark-adaptive,dspark-guard,hf-generate,hf-prompt-lookup,vllm,vllm-ngram"
@@ -57,6 +57,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         draft_vocab_size=args.draft_vocab_size,
         dtype=args.dtype,
         quantization=args.quantization,
+        enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
         warmup=not args.no_warmup,
@@ -143,6 +144,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "0: the full vocabulary)",
     )
     add_precision_args(p)  # our engines' target; the transformers and vLLM baselines run dense in the chosen dtype
+    add_prefix_caching_arg(p)  # our engines only
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--num-threads",

@@ -24,7 +24,14 @@ from typing import Any
 from dspark.bench.acceptance import sum_counters
 from dspark.bench.baselines import HFGenerate, VLLMError, VLLMMethod
 from dspark.bench.methods import EngineMethod, Measurement, Method
-from dspark.config import ConfigError, EngineConfig, KimiLinearConfig, SpeculativeConfig, TargetConfig
+from dspark.config import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    KimiLinearConfig,
+    SpeculativeConfig,
+    TargetConfig,
+)
 from dspark.engine.metrics import DecodeTimes, tau_bound
 from dspark.models.loading import read_draft_config
 from dspark.models.spec import one_read_per_model
@@ -219,6 +226,7 @@ class BenchConfig:
     draft_vocab_size: int | None = None  # adds 'dspark-vocab': dspark with draft_vocab_size N (0: the full vocabulary)
     dtype: str = EngineConfig.dtype  # "auto": resolved once for the target (dspark.precision); every method runs it
     quantization: str = EngineConfig.quantization  # our engines' target weights; the peers run dense
+    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching  # our engines (warm-up prompts then hit the cache)
     seed: int = 0
     ignore_eos: bool = False
     warmup: bool = True
@@ -467,6 +475,7 @@ def _report_config(cfg: BenchConfig, res: Resolved, k: int, num_prompts: int, la
         "dtype": cfg.dtype,
         "quantization": cfg.quantization,
         "seed": cfg.seed,
+        "enable_prefix_caching": cfg.enable_prefix_caching,
         "ignore_eos": cfg.ignore_eos,
         "interleaving": "round-robin over batches, start method rotated per batch; each vLLM method afterwards, "
         "alone (our engines freed, one vLLM instance at a time)",
@@ -496,6 +505,7 @@ def _measure_ours(
         page_size=page,
         seed=cfg.seed,
         max_model_len=min(tcfg.max_position_embeddings, 32768),
+        enable_prefix_caching=cfg.enable_prefix_caching,
     )
     methods: list[Method] = [EngineMethod(method_label(n, res), e) for n, e in zip(engine_names, engines)]
     del engines

@@ -6,12 +6,16 @@ hands out page ids; the tensors live in `cache/pool.py`.
 
 Rollback of rejected draft tokens is `set_length`: no copies, no frees. KV written beyond the length is
 simply overwritten by the next step. Preemption is `release` followed by recompute later.
+
+With prefix caching (`cache/prefix.py`) a page can hold a cached block: shared by reference count while requests
+use it, and, once nobody does, kept with its content on a least-recently-used list that allocation takes from only
+when the never-cached free pages run out (telling the `on_evict` hooks first).
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Hashable, Iterable
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -25,7 +29,8 @@ def _check_positive(name: str, value: int) -> None:
 
 
 class PageAllocator:
-    """Free list plus reference counts over `num_pages` pages of `page_size` tokens each."""
+    """Free list plus reference counts over `num_pages` pages of `page_size` tokens each, and the cached pages
+    nobody uses (least recently used first), reclaimed on demand."""
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         _check_positive("num_pages", num_pages)
@@ -36,16 +41,24 @@ class PageAllocator:
         # Stack: pop() hands out the lowest ids first; freed pages are reused first (warm in cache), in the order
         # they were freed in, so a request's pages tend to form one run of consecutive slots (read in place).
         self._free = list(range(num_pages - 1, -1, -1))
+        self._cached: set[int] = set()  # pages holding a cached block (in use or not), until evicted
+        self._idle: OrderedDict[int, None] = OrderedDict()  # cached pages with no reference, least recently used first
+        self.on_evict: list[Callable[[int], None]] = []  # told the page before a cached page is reused
 
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages an allocation can take: the free list plus the idle cached pages (evicted when taken)."""
+        return len(self._free) + len(self._idle)
+
+    def num_idle_cached(self) -> int:
+        """Cached pages no request uses: free to take, their content kept until then."""
+        return len(self._idle)
 
     def refcount(self, page: int) -> int:
         self._check_page(page)
         return self._refcount[page]
 
     def can_allocate(self, n_pages: int) -> bool:
-        return 0 <= n_pages <= len(self._free)
+        return 0 <= n_pages <= self.num_free()
 
     def pages_for(self, num_tokens: int) -> int:
         """Number of pages needed to hold `num_tokens` tokens (ceil division)."""
@@ -57,15 +70,45 @@ class PageAllocator:
         """Take `n` free pages (ref count 1 each); raises PoolExhausted, changing nothing, if too few."""
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of pages ({n})")
-        if n > len(self._free):
+        if n > self.num_free():
             raise PoolExhausted(
-                f"asked for {n} pages but only {len(self._free)} of {self.num_pages} are free; "
+                f"asked for {n} pages but only {self.num_free()} of {self.num_pages} are free; "
                 "release or preempt a request, or raise num_pages"
             )
-        pages = [self._free.pop() for _ in range(n)]
+        pages = [self._take() for _ in range(n)]
         for page in pages:
             self._refcount[page] = 1
         return pages
+
+    def _take(self) -> int:
+        """A never-cached free page, else the least recently used idle cached page (its block evicted)."""
+        if self._free:
+            return self._free.pop()
+        page, _ = self._idle.popitem(last=False)
+        self._cached.discard(page)
+        for hook in self.on_evict:
+            hook(page)
+        return page
+
+    def mark_cached(self, page: int) -> None:
+        """``page`` (in use) now holds a cached block: kept on the idle list when freed, until evicted."""
+        self._check_page(page)
+        if self._refcount[page] == 0:
+            raise ValueError(f"page {page} is free; only a page in use can become cached")
+        self._cached.add(page)
+
+    def is_cached(self, page: int) -> bool:
+        return page in self._cached
+
+    def share(self, pages: Sequence[int]) -> None:
+        """Add one reference to each page: in use, or idle cached (a prefix hit takes it back from the idle list)."""
+        for page in pages:
+            self._check_page(page)
+            if self._refcount[page] == 0 and page not in self._idle:
+                raise ValueError(f"page {page} is free and holds no cached block; allocate it instead of sharing it")
+        for page in pages:
+            self._idle.pop(page, None)
+            self._refcount[page] += 1
 
     def incref(self, pages: Iterable[int]) -> None:
         """Add one reference to each page (for sharing). Every page must already be in use."""
@@ -78,7 +121,9 @@ class PageAllocator:
             self._refcount[page] += 1
 
     def free(self, pages: Iterable[int]) -> None:
-        """Drop one reference per listed page; a page returns to the free list at zero. All-or-nothing."""
+        """Drop one reference per listed page; at zero a page returns to the free list, or, holding a cached block,
+        joins the idle list as its most recently used page (a request's last page first: evicted before its
+        prefix). All-or-nothing."""
         counts = Counter(pages)
         for page, n in counts.items():
             self._check_page(page)
@@ -89,7 +134,10 @@ class PageAllocator:
         for page, n in reversed(counts.items()):  # reversed: a later allocate hands them out in this order again
             self._refcount[page] -= n
             if self._refcount[page] == 0:
-                self._free.append(page)
+                if page in self._cached:
+                    self._idle[page] = None
+                else:
+                    self._free.append(page)
 
     def _check_page(self, page: int) -> None:
         if not isinstance(page, int) or not 0 <= page < self.num_pages:
@@ -155,6 +203,14 @@ class BlockManager:
         if need > 0:
             table.pages.extend(self.allocator.allocate(need))
         return True
+
+    def share_prefix(self, req_id: Hashable, pages: Sequence[int]) -> None:
+        """Start the table of `req_id` with cached pages (a prefix hit), shared by reference; its length covers
+        them. The request writes only past them, into pages of its own."""
+        if req_id in self._tables:
+            raise ValueError(f"request {req_id!r} already has a block table; a prefix is shared only on admission")
+        self.allocator.share(pages)
+        self._tables[req_id] = BlockTable(list(pages), len(pages) * self.page_size)
 
     def set_length(self, req_id: Hashable, num_tokens: int, *, trim: bool = False) -> None:
         """Set the number of valid tokens (commit or rollback). No copies; frees pages only when `trim`."""

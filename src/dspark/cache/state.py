@@ -6,9 +6,15 @@ once the step's outcome is known. Prefill commits the state after each request's
 ``[anchor, d_1..d_L]`` keeps the state after every row (the chunkwise form yields them with no extra pass) and
 ``commit(rows)`` installs the state after the accepted prefix, so rejected drafts leave no trace and nothing is
 recomputed. A preempted request gives its slot back and starts again from zeros when it is recomputed.
+
+With prefix caching, pages alone cannot rebuild a recurrent state, so ``StateSnapshots`` keeps copies of states at
+cached block boundaries (a bounded number, least recently used dropped first): a prefix hit restores the state at
+its end into the request's slot, and a stateful target's hit reaches only as far as a snapshot does.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 
@@ -44,6 +50,10 @@ class StatePool:
         self.states[:, slot] = 0
         return slot
 
+    def restore(self, request_id: str, state: torch.Tensor) -> None:
+        """The request's slot (acquired if needed) holding ``state`` [L, *shape] (a snapshot)."""
+        self.states[:, self.acquire(request_id)] = state
+
     def release(self, request_id: str) -> None:
         slot = self.owner.pop(request_id, None)
         if slot is not None:
@@ -76,6 +86,12 @@ class SlotStates:
             assert per_row is not None, "keep_per_row views need the state after every row"
             self.rows[layer] = per_row
 
+    def after_row(self, b: int, row: int | None = None) -> torch.Tensor:
+        """[L, *shape] a copy of batch row ``b``'s new state after its row ``row`` (None: its last valid row)."""
+        layers = range(self.pool.num_layers)
+        new = [self.final[layer][b] if row is None else self.rows[layer][b, row] for layer in layers]
+        return torch.stack(new).to(self.pool.states.dtype).reshape(self.pool.states[:, 0].shape)
+
     def commit(self, rows: torch.Tensor | None = None, only: int | None = None) -> None:
         """Install per request b the state after its row ``rows[b]`` (0 = the first new row), or after its last
         valid row (rows None), in every layer; ``only``: just batch row ``only`` (the engine commits request by
@@ -84,3 +100,45 @@ class SlotStates:
         for layer, final in self.final.items():
             new = final[b] if rows is None else self.rows[layer][b, rows[b]]
             self.pool.states[layer, self.slots[b]] = new.to(self.pool.states.dtype)
+
+
+class StateSnapshots:
+    """Recurrent states at cached block boundaries, keyed by the block's hash: at most ``capacity`` of them, the
+    least recently used (saved or restored) dropped first."""
+
+    def __init__(self, pool: StatePool, capacity: int) -> None:
+        self.pool = pool
+        self.capacity = capacity
+        self._saved: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+
+    def __contains__(self, block: bytes) -> bool:
+        return block in self._saved
+
+    def __len__(self) -> int:
+        return len(self._saved)
+
+    def save(self, block: bytes, state: torch.Tensor) -> bool:
+        """Keep ``state`` [L, *shape] (a tensor of its own, e.g. ``SlotStates.after_row``: never a view of the pool)
+        as the state after ``block``; False when one is kept already (or the capacity is 0)."""
+        if self.capacity <= 0 or block in self._saved:
+            return False
+        while len(self._saved) >= self.capacity:
+            self._saved.popitem(last=False)
+        self._saved[block] = state
+        return True
+
+    def restore(self, block: bytes, request_id: str) -> None:
+        """Put the state after ``block`` in the request's slot."""
+        self._saved.move_to_end(block)
+        self.pool.restore(request_id, self._saved[block])
+
+    def drop(self, block: bytes, page: int | None = None) -> None:
+        """Forget the state after ``block`` (its page was evicted: a hit can no longer reach it)."""
+        self._saved.pop(block, None)
+
+    def report(self) -> dict[str, int]:
+        return {
+            "state_snapshots": len(self._saved),
+            "max_state_snapshots": self.capacity,
+            "state_snapshot_bytes": len(self._saved) * self.pool.bytes_per_request,
+        }

@@ -140,9 +140,22 @@ class CacheConfig:
     page_size: int = 16
     num_pages: int | None = None  # None: derived from max_num_seqs * max_model_len
     swap_space: float | None = None  # vLLM's CPU swap (GiB): only 0/None, preempted requests are recomputed
+    # vLLM's automatic prefix caching: full pages named by a chained hash of their tokens are shared by requests with
+    # the same prefix, and kept after use until the pool needs them (off by default, as in vLLM v0: nothing changes
+    # unless asked for)
+    enable_prefix_caching: bool = False
+    # prefix caching on a target with recurrent state (KDA): states kept at cached block boundaries, since pages
+    # cannot rebuild them; a hit reaches only as far as a snapshot. None: one per state slot (max_num_seqs), at most
+    # doubling the state memory; 0: none (such a target then never hits)
+    max_state_snapshots: int | None = None
 
     def __post_init__(self) -> None:
         positive("cache config", page_size=self.page_size, num_pages=self.num_pages)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise fail("cache config", "enable_prefix_caching", self.enable_prefix_caching, "must be true or false")
+        n = self.max_state_snapshots
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+            raise fail("cache config", "max_state_snapshots", n, "must be null or an integer >= 0 (0: no snapshots)")
         if self.swap_space not in (None, 0):
             raise fail(
                 "cache config",

@@ -17,13 +17,15 @@ import torch
 
 from dspark.cache.allocator import BlockManager, PageAllocator
 from dspark.cache.pool import CachePools
+from dspark.cache.prefix import PrefixCache
 from dspark.cache.state import StatePool
 from dspark.config import CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
+from dspark.engine.caching import PrefixCaching
 from dspark.engine.grouping import length_groups
 from dspark.engine.metrics import EngineMetrics
 from dspark.engine.request import Request, Status
 from dspark.engine.runner import ModelRunner
-from dspark.engine.scheduler import PrefillChunk, Scheduler
+from dspark.engine.scheduler import PrefillChunk, Scheduler, SchedulerOutput
 from dspark.models.drafter import DSparkDrafter
 from dspark.models.layers import DecoderTarget
 from dspark.models.packing import pack_for_inference
@@ -62,6 +64,7 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     error: str | None = None  # set when finish_reason == "error": what raised while this request was processed
+    num_cached_tokens: int = 0  # prompt tokens a prefix-cache hit supplied (vLLM's RequestOutput field)
 
 
 @dataclass
@@ -130,11 +133,16 @@ class Engine:
         self.pools = CachePools.build(target.page_format, dformat, num_pages, ccfg.page_size, dtype)
         self.pool = self.pools.target
         self.blocks = BlockManager(PageAllocator(num_pages, ccfg.page_size))
-        self.scheduler = Scheduler(self.blocks, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, self.K + 1)
+        cache = PrefixCache(self.blocks.allocator, self._cache_salt(dtype)) if ccfg.enable_prefix_caching else None
+        self.scheduler = Scheduler(
+            self.blocks, self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens, self.K + 1, cache
+        )
         spec = target.state_spec  # per-request recurrent state (KDA): one slot per running request
         self.states = StatePool(spec, self.cfg.max_num_seqs) if spec is not None else None
         window = self.spec.draft_window if self.spec is not None else None
         self.runner = ModelRunner(target, self.drafter, self.blocks, self.pools, self.states, window)
+        snapshots = ccfg.max_state_snapshots
+        self.prefix = PrefixCaching(cache, self.blocks, self.runner, snapshots) if cache is not None else None
         if self.drafter is not None:
             assert self.spec is not None
             self.restrict_draft_vocab(read_draft_vocab(draft_dir, self.spec.draft_vocab_size, tcfg.vocab_size))
@@ -147,15 +155,23 @@ class Engine:
         self._updated: list[Request] = []
 
     # ---- request API ---------------------------------------------------------------------------------
-    def cache_report(self, num_tokens: int | None = None) -> dict[str, int | str | bool]:
+    def cache_report(self, num_tokens: int | None = None) -> dict[str, int | float | str | bool]:
         """Page formats and bytes per token of the target's and drafter's pages (one shared pool when equal), and
-        the per-request state bytes of a stateful target (KDA layers). With ``num_tokens``: the bytes one request
-        of that many tokens holds (target latents, drafter latents, a separate conventional draft cache)."""
+        the per-request state bytes of a stateful target (KDA layers); with prefix caching, the cached blocks, the
+        hit rate and (stateful targets) the state snapshots. With ``num_tokens``: the bytes one request of that many
+        tokens holds (target latents, drafter latents, a separate conventional draft cache)."""
         rep = self.pools.report() | (self.states.report() if self.states is not None else {})
+        rep |= self.prefix.report(self.metrics.prefix_cache) if self.prefix is not None else {"prefix_caching": False}
         if num_tokens is not None:
             width = self.drafter.separate_cache_width if self.drafter is not None else 0
             rep |= self.pools.request_bytes(num_tokens, width)
         return rep
+
+    def _cache_salt(self, dtype: torch.dtype) -> str:
+        """What a cached block's rows depend on besides its tokens: the models and the page formats."""
+        fmt = (self.target.page_format, self.drafter.page_format if self.drafter is not None else None)
+        where = (self.model_ref or self.model_dir, self.draft_dir)
+        return f"{self.target.config.model_type}|{fmt}|{dtype}|{where}"
 
     @property
     def num_pages_free(self) -> int:
@@ -210,9 +226,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         with scope("step.schedule"):
             sched = self.scheduler.schedule()
-        self.metrics.num_preemptions += len(sched.preempted)
-        for req in sched.preempted:  # recomputed from scratch when rescheduled
-            self.runner.release_state(req.request_id)
+        self._admit(sched)
         for chunks in self._groups(sched.prefills, [(c.end, c.end - c.start) for c in sched.prefills]):
             self._isolated(self._prefill, chunks, [c.request for c in chunks])
         decodes = [r for r in sched.decodes if not r.finished]
@@ -220,6 +234,15 @@ class Engine:
             self._isolated(self._decode, group, group)
         self.metrics.maybe_log()
         return self._drain()
+
+    def _admit(self, sched: SchedulerOutput) -> None:
+        """Preempted requests give their state slots back (recomputed later, from scratch or a cached prefix);
+        admitted ones are counted as prefix-cache lookups, and a hit of a stateful target restores its state."""
+        self.metrics.num_preemptions += len(sched.preempted)
+        for req in sched.preempted:
+            self.runner.release_state(req.request_id)
+        if self.prefix is not None:
+            self.prefix.admitted(sched.admitted, self.metrics.prefix_cache)
 
     def _groups(self, items: list, sizes: list[tuple[int, int]]) -> list[list]:
         """``items`` as groups of similar context length, given each one's (keys attended, new rows): one group
@@ -296,6 +319,8 @@ class Engine:
         for c in chunks:
             c.request.num_computed = c.end
             self.blocks.set_length(c.request.request_id, c.end)
+        if self.prefix is not None:  # before sampling: a request that finishes at its first token still caches
+            self.prefix.prefilled(chunks)
         if first:
             sub = [reqs[i] for i in first]
             sampling = self.runner.sampling_tensors(sub, 1, anchor_offset=-1)
@@ -376,6 +401,8 @@ class Engine:
             self.runner.commit_states(accepted, only=i)  # the state after [anchor, d_1..d_n]: rejected rows leave none
             req.num_computed += n + 1
             self.blocks.set_length(req.request_id, req.num_computed)
+            if self.prefix is not None:
+                self.prefix.committed(req, drafts, req.num_computed - n - 1, i)
             if proposal is not None:
                 req.spec.record(lengths[i], n)
                 self.metrics.spec.record(lengths[i], n)
@@ -442,6 +469,7 @@ class Engine:
             req.first_token_time,
             req.finish_time,
             req.error,
+            req.num_cached_tokens,
         )
 
     def _drain(self) -> list[RequestOutput]:

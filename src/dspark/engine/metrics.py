@@ -1,4 +1,4 @@
-"""Engine-wide counters: speculative decoding (vLLM names), verify lengths, requests and tokens."""
+"""Engine-wide counters: speculative decoding (vLLM names), verify lengths, prefix caching, requests and tokens."""
 
 from __future__ import annotations
 
@@ -90,8 +90,38 @@ def tau_bound(tau: float, ar: DecodeTimes, spec: DecodeTimes) -> float | None:
 
 
 @dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups in tokens, as vLLM counts them (``vllm:prefix_cache_queries`` / ``_hits``): each admission
+    queries the request's tokens and hits those found cached. Re-admissions after a preemption are counted apart
+    (vLLM's ``preempted_*``): their own blocks often come back and would inflate the hit rate."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+
+    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+        else:
+            self.requests += 1
+            self.queries += num_tokens
+            self.hits += num_hits
+
+    @property
+    def hit_rate(self) -> float:
+        """Cached tokens / queried tokens (0 before any query)."""
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass
 class EngineMetrics:
     spec: SpecDecodingMetrics = field(default_factory=SpecDecodingMetrics)
+    prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     decode: DecodeTimes = field(default_factory=DecodeTimes)
     num_requests_finished: int = 0
     num_requests_aborted: int = 0

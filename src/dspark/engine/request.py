@@ -36,6 +36,13 @@ class Request:
     aborted: bool = False
     error: str | None = None  # what raised while processing this request (finish_reason "error")
     detok: IncrementalDetokenizer | None = None  # output text (None: built outside Engine.add_request, no text)
+    # prefix caching: the chained hashes of its full blocks so far, the tokens its last admission found cached, where
+    # a stateful target's prefill ends chunks (block boundaries whose states are worth a snapshot), and the block of
+    # the snapshot its decoding keeps (the latest boundary it crossed; the one before is dropped)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    split_at: tuple[int, ...] = ()
+    decode_snapshot: bytes | None = None
 
     @property
     def all_ids(self) -> list[int]:

@@ -123,6 +123,11 @@ class ModelRunner:
         if self._pending is not None:
             self._pending.commit(None if rows is None else torch.tensor(list(rows), dtype=torch.long), only)
 
+    def state_after(self, b: int, row: int | None = None) -> torch.Tensor:
+        """The last forward's new state of batch row ``b`` after its row ``row`` (None: its last valid row)."""
+        assert self._pending is not None, "no forward of a stateful target has run"
+        return self._pending.after_row(b, row)
+
     def release_state(self, request_id: str) -> None:
         if self.states is not None:
             self.states.release(request_id)

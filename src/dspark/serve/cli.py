@@ -9,7 +9,7 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from dspark.cli_common import add_precision_args
+from dspark.cli_common import add_precision_args, add_prefix_caching_arg
 from dspark.config import ConfigError, EngineConfig
 from dspark.serve.config import ServerConfig
 
@@ -92,6 +92,7 @@ def _engine(args: argparse.Namespace) -> Engine:
         num_pages=args.num_pages,
         seed=args.seed,
         max_waiting=args.max_waiting,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
 
 
@@ -135,6 +136,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--num-pages", type=int, default=None, help="KV cache pages (default: sized for max-num-seqs)")
     p.add_argument("--seed", type=int, default=d.seed)
+    add_prefix_caching_arg(p)
     add_precision_args(p)
     p.add_argument(
         "--attention-backend",

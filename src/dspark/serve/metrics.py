@@ -11,6 +11,8 @@ Exported families (every one labelled ``model_name``):
       dspark:spec_decode_verify_tokens_total, dspark:spec_decode_num_steps_total,
       dspark:spec_decode_mean_acceptance_length (gauge, 1 + accepted / drafts)
   vllm:prompt_tokens_total, vllm:generation_tokens_total, vllm:num_preemptions_total,
+  vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total (tokens looked up / found cached at admission; 0 with
+      prefix caching off),
   vllm:request_success_total{finished_reason="stop"|"length"|"abort"|"error"},
   vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc (fraction 0..1),
   vllm:time_to_first_token_seconds, vllm:e2e_request_latency_seconds,
@@ -103,6 +105,9 @@ class _EngineCollector:
         yield _counter(name, "vllm:prompt_tokens", "Prefill tokens received.", m.prompt_tokens)
         yield _counter(name, "vllm:generation_tokens", "Tokens generated.", m.generation_tokens)
         yield _counter(name, "vllm:num_preemptions", "Requests preempted (recomputed later).", m.num_preemptions)
+        pc = m.prefix_cache
+        yield _counter(name, "vllm:prefix_cache_queries", "Prefix cache queries, in queried tokens.", pc.queries)
+        yield _counter(name, "vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens.", pc.hits)
         success = CounterMetricFamily(
             "vllm:request_success", "Finished requests by reason.", labels=["model_name", "finished_reason"]
         )
