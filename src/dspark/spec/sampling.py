@@ -62,9 +62,15 @@ def _mask_top_k_top_p(x: torch.Tensor, k: torch.Tensor, p: torch.Tensor, active:
     """x [B, T, V] scaled logits; k [B] (0 = off); p [B] (1.0 = off); active [B] rows whose result is used.
 
     When every active row has a top-k, only the top max(k) candidates are sorted (torch.topk), otherwise
-    the whole vocabulary is.
+    the whole vocabulary is. Only active rows are sorted (a batch of mostly greedy rows sorts just the others);
+    inactive rows come back unmasked.
     """
-    if bool(((k > 0) | ~active).all()):
+    if not bool(active.all()):
+        rows = active.nonzero().squeeze(1)
+        out = x.clone()
+        out[rows] = _mask_top_k_top_p(x[rows], k[rows], p[rows], active[rows])
+        return out
+    if bool((k > 0).all()):
         top, order = x.topk(int(k.max()), dim=-1)  # [B, T, k_max], descending
         out = torch.full_like(x, float("-inf"))
         return out.scatter_(-1, order, _mask_sorted(top, k, p))
