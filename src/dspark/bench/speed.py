@@ -9,6 +9,8 @@ cell.
 vLLM (``--vllm-python``) runs afterwards, in phases of its own: our engines and the transformers model are freed
 first, then each vLLM method (plain, n-gram) starts, runs every cell alone and stops before the next one starts; it
 is fed exactly our prompt token ids. Its speed-up is against ``ar`` of the same cell, measured in the first phase.
+llama.cpp (``--llama-cpp-bin``) runs the same way, on the GGUF file the target was exported from
+(``dspark.bench.llama_cpp``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 from dspark.bench.acceptance import sum_counters
 from dspark.bench.baselines import HFGenerate, VLLMError, VLLMMethod
+from dspark.bench.llama_cpp import LlamaCppError, LlamaCppMethod
 from dspark.bench.methods import EngineMethod, Measurement, Method
 from dspark.config import (
     CacheConfig,
@@ -50,7 +53,9 @@ ENGINE_METHODS = (
 )
 HF_METHODS = ("hf-generate", "hf-prompt-lookup")
 VLLM_METHODS = ("vllm", "vllm-ngram")
-ALL_METHODS = ENGINE_METHODS + HF_METHODS + VLLM_METHODS
+LLAMA_CPP = "llama-cpp"
+PEER_METHODS = (*VLLM_METHODS, LLAMA_CPP)  # each runs alone, after our methods
+ALL_METHODS = ENGINE_METHODS + HF_METHODS + PEER_METHODS
 ALWAYS_MEASURED = (AR, "dspark")  # --baselines lists the methods to compare against these
 # rows of a cell, in this order: ours, then vLLM's n-gram next to our n-gram, then the other peers
 DISPLAY_ORDER = (
@@ -66,6 +71,7 @@ DISPLAY_ORDER = (
     "hf-generate",
     "hf-prompt-lookup",
     "vllm",
+    "llama-cpp",
 )
 RESULT_KEYS = (
     "name",
@@ -232,6 +238,7 @@ class BenchConfig:
     warmup: bool = True
     vllm_python: str | None = None  # python of a vLLM environment: adds vllm, vllm-ngram (and our ngram)
     vllm_kv_space_gib: int | None = None  # VLLM_CPU_KVCACHE_SPACE (None: the environment's, else 1 GiB)
+    llama_cpp_bin: str | None = None  # folder with llama.cpp's llama-completion: adds llama-cpp (GGUF targets)
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -318,6 +325,13 @@ def method_names(cfg: BenchConfig, res: Resolved, notes: list[str]) -> list[str]
     if cfg.vllm_python:
         vllm = not _peer_cannot_run(res.target_dir, "vLLM's CPU build", notes, VLLM_METHODS)
         listed += ["ngram"] + ([*VLLM_METHODS] if vllm else [])
+    if cfg.llama_cpp_bin:
+        from dspark.checkpoint.gguf import gguf_source
+
+        if gguf_source(res.target_dir) is None:
+            notes.append(f"{LLAMA_CPP}: skipped ({res.target_dir} was not exported from a GGUF file)")
+        else:
+            listed.append(LLAMA_CPP)
     for n in listed:
         if n not in names and not (n == "dspark" and res.draft_dir is None):
             names.append(n)
@@ -445,10 +459,10 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
 
     names = method_names(cfg, res, notes)
     all_cells = cells + depth_cells
-    measured, labels = _measure_ours([n for n in names if n not in VLLM_METHODS], all_cells, cfg, res, k, tcfg, notes)
-    gc.collect()  # our engines and the transformers model are gone before a vLLM instance starts
-    for n in (n for n in names if n in VLLM_METHODS):
-        labels += _measure_vllm(n, all_cells, measured, cfg, res, k, max_len, notes)
+    measured, labels = _measure_ours([n for n in names if n not in PEER_METHODS], all_cells, cfg, res, k, tcfg, notes)
+    gc.collect()  # our engines and the transformers model are gone before a peer starts
+    for n in (n for n in names if n in PEER_METHODS):
+        labels += _measure_peer(n, all_cells, measured, cfg, res, k, max_len, notes)
     rows = [r for cell, parts in zip(all_cells, measured) for r in rows_from_measurements(parts, cell)]
     config = _report_config(cfg, res, k, len(prompts), labels) | {"precision": precision.to_json()}
     return BenchReport(config, rows, notes)
@@ -540,7 +554,26 @@ def vllm_spec(name: str, k: int) -> dict[str, Any] | None:
     return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 
 
-def _measure_vllm(
+def _peer(name: str, cfg: BenchConfig, res: Resolved, k: int, max_len: int) -> Method:
+    """The peer method ``name`` (raises VLLMError / LlamaCppError when it cannot start)."""
+    if name == LLAMA_CPP:
+        import torch
+
+        from dspark.checkpoint.gguf import gguf_source
+
+        gguf = gguf_source(res.target_dir)
+        if gguf is None or cfg.llama_cpp_bin is None:
+            why = "pass --llama-cpp-bin DIR" if gguf else f"{res.target_dir} was not exported from a GGUF file"
+            raise LlamaCppError(f"{name}: cannot run ({why})")
+        return LlamaCppMethod(name, cfg.llama_cpp_bin, gguf, res.target_dir, torch.get_num_threads(), cfg.seed)
+    assert cfg.vllm_python is not None
+    spec = vllm_spec(name, k)
+    return VLLMMethod(
+        name, cfg.vllm_python, res.target_dir, spec, cfg.dtype, cfg.seed, max_len, None, cfg.vllm_kv_space_gib
+    )
+
+
+def _measure_peer(
     name: str,
     cells: list[Cell],
     measured: list[Parts],
@@ -550,27 +583,25 @@ def _measure_vllm(
     max_len: int,
     notes: list[str],
 ) -> list[str]:
-    """A vLLM phase: one vLLM instance, alone, over every cell that is not engine-only; adds its measurements to
-    ``measured`` (speed-up stays relative to our ``ar`` of the same cell)."""
-    if not cfg.vllm_python:
+    """A peer phase (vLLM, llama.cpp): one instance, alone, over every cell that is not engine-only; adds its
+    measurements to ``measured`` (speed-up stays relative to our ``ar`` of the same cell)."""
+    if name in VLLM_METHODS and not cfg.vllm_python:
         notes.append(f"{name}: skipped (pass --vllm-python PYTHON with vLLM installed)")
         return []
-    spec = vllm_spec(name, k)
     open_cells = [(c, parts) for c, parts in zip(cells, measured) if not c.engine_only]
-    try:  # a vLLM failure costs its rows, never the measurements already taken
-        method = VLLMMethod(
-            name, cfg.vllm_python, res.target_dir, spec, cfg.dtype, cfg.seed, max_len, None, cfg.vllm_kv_space_gib
-        )
-    except VLLMError as e:
+    try:  # a peer's failure costs its rows, never the measurements already taken
+        method = _peer(name, cfg, res, k, max_len)
+    except (VLLMError, LlamaCppError) as e:
         notes.append(f"{name}: failed, no rows ({str(e).splitlines()[0]})")
         return []
     try:
         phase = _run_phase([method], [c for c, _ in open_cells], cfg, notes)
-    except VLLMError as e:
+    except (VLLMError, LlamaCppError) as e:
         notes.append(f"{name}: failed, no rows ({str(e).splitlines()[0]})")
         return []
     finally:
         method.close()
+    notes += method.notes() if isinstance(method, LlamaCppMethod) else []
     for (_, parts), got in zip(open_cells, phase):
         parts |= got
     return [name]
