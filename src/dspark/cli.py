@@ -10,12 +10,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dspark.cli_common import (
+    add_kv_offload_args,
     add_precision_args,
     add_prefix_caching_arg,
     add_threads_arg,
     apply_threads,
     default_spec,
     json_object,
+    kv_offload_kwargs,
     model_or_demo,
 )
 from dspark.config import ConfigError
@@ -365,6 +367,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed or 0,
         attention_backend=args.attention_backend,
         enable_prefix_caching=args.enable_prefix_caching,
+        **kv_offload_kwargs(args),
     )
     chat, why = prompt_format(engines[0], args.chat)
     prompt = _prompt(engines[0], args.prompt, chat)
@@ -464,6 +467,35 @@ def cache_report_lines(c: dict) -> list[str]:
             f"state snapshots: {c['state_snapshots']} of at most {c['max_state_snapshots']} "
             f"({_mib(c['state_snapshot_bytes'])}): a hit on a stateful target reaches as far as a snapshot"
         )
+    return lines + (offload_report_lines(c) if c.get("kv_offload") else [])
+
+
+def offload_report_lines(c: dict) -> list[str]:
+    """The KV offload tiers (``Engine.cache_report`` with offload on) and what a block moves per token."""
+    tiers = []
+    for key, label in (("cpu", "CPU"), ("disk", "disk")):
+        if c[f"kv_offload_{key}_budget"] or c[f"kv_offload_{key}_blocks"]:
+            broken = " (no longer writable)" if key == "disk" and not c["kv_offload_disk_writable"] else ""
+            tiers.append(
+                f"{label}{broken} {c[f'kv_offload_{key}_blocks']} blocks ({_mib(c[f'kv_offload_{key}_bytes'])} of "
+                f"{_mib(c[f'kv_offload_{key}_budget'])}), stored {c[f'kv_offload_stores_{key}']}, loaded back "
+                f"{c[f'kv_offload_loads_{key}']}, evicted {c[f'kv_offload_evictions_{key}']}"
+            )
+    where = f" in {c['kv_offload_disk_dir']}" if c["kv_offload_disk_dir"] else ""
+    lines = [
+        f"KV offload{where}: "
+        + ("; ".join(tiers) or "no tier can store blocks (see the log)")
+        + f"; {c['kv_offload_hit_tokens']} prompt tokens loaded back, {c['kv_offload_corrupt_drops']} corrupt "
+        f"blocks dropped (recomputed), {c['kv_offload_write_errors']} write errors"
+    ]
+    moved, per_head = c["kv_offload_bytes_per_token"], c["kv_offload_per_head_bytes_per_token"]
+    if c["kv_offload_layout"] == "mla":
+        how = f"MLA latents; per-head K/V would be {per_head} ({1 - moved / per_head:.0%} less moved)"
+    else:
+        how = f"{c['kv_offload_layout']} pages hold per-head K/V already: the same layout"
+    state = c["kv_offload_state_bytes_per_block"]
+    extra = f", plus {_mib(state)} of recurrent state per block with a snapshot" if state else ""
+    lines.append(f"offload moves {moved} bytes/token (target + drafter rows, {how}){extra}")
     return lines
 
 
@@ -493,6 +525,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature:
         help="target attention: torch | sdpa | a vLLM backend name (runs as sdpa here); default: each model's",
     )
     add_prefix_caching_arg(p)
+    add_kv_offload_args(p)
     add_threads_arg(p)
 
 
@@ -548,6 +581,7 @@ def cmd_verify_lossless(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         attention_backend=args.attention_backend,
         enable_prefix_caching=args.enable_prefix_caching,
+        **kv_offload_kwargs(args),
     )
     precision = spec_engine.precision
     print(
@@ -646,6 +680,7 @@ def add_verify_lossless(sub: argparse._SubParsersAction) -> None:
         help="target attention: torch | sdpa | a vLLM backend name (runs as sdpa here); default: each model's",
     )
     add_prefix_caching_arg(p)
+    add_kv_offload_args(p)
     add_threads_arg(p)
     p.set_defaults(func=cmd_verify_lossless, no_spec=False)
 

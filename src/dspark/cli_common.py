@@ -100,6 +100,46 @@ def add_prefix_caching_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+GIB = 2**30
+
+
+def add_kv_offload_args(p: argparse.ArgumentParser) -> None:
+    """``--kv-offload-cpu-gib``, ``--kv-offload-dir``, ``--kv-offload-disk-gib`` (defaults from ``CacheConfig``)."""
+    from dspark.config import CacheConfig
+
+    p.add_argument(
+        "--kv-offload-cpu-gib",
+        type=float,
+        default=CacheConfig.kv_offload_cpu_bytes / GIB,
+        help="with --enable-prefix-caching: keep the cached blocks the KV pool evicts in this much CPU memory, least "
+        "recently used out first, and load them back on a later hit (default: 0, off)",
+    )
+    p.add_argument(
+        "--kv-offload-dir",
+        default=CacheConfig.kv_offload_dir,
+        help="with --enable-prefix-caching: a directory for blocks beyond the CPU tier (or all evicted blocks "
+        "without one), one checksummed file per block in a subdirectory removed at exit (default: no disk tier)",
+    )
+    p.add_argument(
+        "--kv-offload-disk-gib",
+        type=float,
+        default=CacheConfig.kv_offload_disk_bytes / GIB,
+        help=f"bytes the --kv-offload-dir tier may hold, least recently used deleted first (default: "
+        f"{CacheConfig.kv_offload_disk_bytes / GIB:g})",
+    )
+
+
+def kv_offload_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``build_engines`` keywords of the ``--kv-offload-*`` flags (GiB → bytes)."""
+    out: dict[str, Any] = {"kv_offload_dir": args.kv_offload_dir}
+    for flag, key in (("cpu", "kv_offload_cpu_bytes"), ("disk", "kv_offload_disk_bytes")):
+        gib = getattr(args, f"kv_offload_{flag}_gib")
+        if not gib >= 0:
+            raise ConfigError(f"--kv-offload-{flag}-gib {gib} is invalid: give a size in GiB >= 0 (0: no such tier)")
+        out[key] = round(gib * GIB)
+    return out
+
+
 def apply_threads(args: argparse.Namespace) -> None:
     """Set the ``--threads`` choice, when given, before any model loads."""
     if getattr(args, "threads", None) is not None:

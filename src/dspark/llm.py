@@ -74,6 +74,9 @@ def build_engines(
     attention_backend: str | None = EngineConfig.attention_backend,
     enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
     max_state_snapshots: int | None = CacheConfig.max_state_snapshots,
+    kv_offload_cpu_bytes: int = CacheConfig.kv_offload_cpu_bytes,
+    kv_offload_dir: str | None = CacheConfig.kv_offload_dir,
+    kv_offload_disk_bytes: int = CacheConfig.kv_offload_disk_bytes,
 ) -> list[Engine]:
     """One engine per speculative config, all sharing one loaded target (and drafters per directory).
 
@@ -101,6 +104,9 @@ def build_engines(
         swap_space=swap_space,
         enable_prefix_caching=enable_prefix_caching,
         max_state_snapshots=max_state_snapshots,
+        kv_offload_cpu_bytes=kv_offload_cpu_bytes,
+        kv_offload_dir=kv_offload_dir,
+        kv_offload_disk_bytes=kv_offload_disk_bytes,
     )
     draft_dirs = [resolve_draft(spec, target_dir) if spec is not None else None for spec in specs]
     check_before_load(target_dir, draft_dirs)  # the doctor refuses what `dspark check` rejects

@@ -51,6 +51,24 @@ class BatchStore:
             return plane[None, self.read_start : self.read_start + self.read_slots.shape[1]]
         return plane[self.read_slots]
 
+    def paged_attention(
+        self, layer: int, q: torch.Tensor, bias: torch.Tensor, n_kv: int, v_off: int, scale: float
+    ) -> torch.Tensor | None:
+        """Attention of q [B, H, T, d] over the keys and values of ``layer`` read in place from the pool by the
+        native kernel (GQA rows: key heads at 0, value heads at ``v_off``), bias [B, 1, T, S] additive → [B, H, T, d];
+        None where the kernel does not apply (no native kernels, or q and the pool differ in dtype)."""
+        import dspark.native as native
+
+        plane = self.pool[self.layer_offset + layer]
+        ops = native.ops()
+        if ops is None or plane.dtype != q.dtype:
+            return None
+        slots = self.read_slots
+        if self.read_start is not None:
+            slots = torch.arange(self.read_start, self.read_start + slots.shape[1]).expand(slots.shape[0], -1)
+        bias = bias[:, 0].float().contiguous()
+        return ops.paged_attention(q.contiguous(), plane, slots.contiguous(), bias, n_kv, 0, v_off, q.shape[-1], scale)
+
     def update(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         """rows [B, T, W] → keys [B, S, W] after writing the new rows (the layer's plane selected once)."""
         plane = self.pool[self.layer_offset + layer]

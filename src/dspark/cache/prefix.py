@@ -6,8 +6,9 @@ salt). A block is cached once it is full and committed (every row below the bloc
 draft rows past it never count). Admission looks up a request's longest run of cached blocks and shares their pages
 by reference count; the request computes only the rest, into pages of its own, so a shared page is never written.
 A cached page nobody uses stays on the allocator's idle list, content kept, until an allocation needs it (least
-recently used first); then ``on_evict`` hooks hear of it (state snapshots drop theirs; a second storage tier could
-copy the page out first). Pure Python (no torch).
+recently used first); then ``on_evict`` hooks hear of it (state snapshots drop theirs; the KV offload tier copies
+the page out first). A lookup that runs out of cached pages asks ``below`` (the offload tier, when there is one) to
+bring the next blocks back into pages cached here, and goes on. Pure Python (no torch).
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ class PrefixCache:
         self._hash: dict[int, bytes] = {}
         self.usable: Callable[[bytes], bool] | None = None
         self.on_evict: list[Callable[[bytes, int], None]] = []  # (block hash, page) before the page is reused
+        # a lower storage tier: (chain, run) → how many blocks chain[run:] it cached here again (0: none), where
+        # chain[:run] are cached here (their pages must survive the allocations it makes)
+        self.below: Callable[[Sequence[bytes], int], int] | None = None
         allocator.on_evict.append(self._evicted)
 
     def __contains__(self, block: bytes) -> bool:
@@ -65,15 +69,26 @@ class PrefixCache:
             chain.append(block_hash(chain[i - 1] if i else b"", tokens[i * P : (i + 1) * P], self.salt))
         return chain
 
+    def page_of(self, block: bytes) -> int:
+        return self._page[block]
+
     def match(self, chain: Sequence[bytes]) -> PrefixMatch:
-        """The longest run of cached blocks at the start of ``chain``, cut back to a ``usable`` end."""
-        run = 0
-        while run < len(chain) and chain[run] in self._page:
-            run += 1
+        """The longest run of cached blocks at the start of ``chain`` (``below`` bringing back the blocks it holds
+        past the pages' run), cut back to a ``usable`` end."""
+        run = self._run(chain, 0)
+        while self.below is not None and run < len(chain) and self.below(chain, run) > 0:
+            run, before = self._run(chain, run), run
+            if run == before:
+                break
         hit = run
         while hit and self.usable is not None and not self.usable(chain[hit - 1]):
             hit -= 1
         return PrefixMatch([self._page[h] for h in chain[:hit]], run)
+
+    def _run(self, chain: Sequence[bytes], run: int) -> int:
+        while run < len(chain) and chain[run] in self._page:
+            run += 1
+        return run
 
     def register(self, chain: Sequence[bytes], pages: Sequence[int], first: int, end: int) -> None:
         """Cache blocks ``first..end−1`` of a block table (``pages``), named by ``chain``: their rows are final. A

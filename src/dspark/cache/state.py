@@ -9,7 +9,8 @@ recomputed. A preempted request gives its slot back and starts again from zeros 
 
 With prefix caching, pages alone cannot rebuild a recurrent state, so ``StateSnapshots`` keeps copies of states at
 cached block boundaries (a bounded number, least recently used dropped first): a prefix hit restores the state at
-its end into the request's slot, and a stateful target's hit reaches only as far as a snapshot does.
+its end into the request's slot, and a stateful target's hit reaches only as far as a snapshot does. The KV offload
+tier stores a block's snapshot with its rows and saves it here again when it loads the block back.
 """
 
 from __future__ import annotations
@@ -126,6 +127,10 @@ class StateSnapshots:
             self._saved.popitem(last=False)
         self._saved[block] = state
         return True
+
+    def peek(self, block: bytes) -> torch.Tensor | None:
+        """The state after ``block`` if one is kept (its recency unchanged: the offload tier copies it out)."""
+        return self._saved.get(block)
 
     def restore(self, block: bytes, request_id: str) -> None:
         """Put the state after ``block`` in the request's slot."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
+from os import PathLike
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +149,12 @@ class CacheConfig:
     # cannot rebuild them; a hit reaches only as far as a snapshot. None: one per state slot (max_num_seqs), at most
     # doubling the state memory; 0: none (such a target then never hits)
     max_state_snapshots: int | None = None
+    # KV offload (needs prefix caching): a cached block the pool evicts is kept in a second tier instead of being
+    # lost, first CPU memory (this many bytes, least recently used dropped or moved to disk first; 0: no CPU tier),
+    # then files under kv_offload_dir (None: no disk tier) up to kv_offload_disk_bytes; a later hit loads it back
+    kv_offload_cpu_bytes: int = 0
+    kv_offload_dir: str | None = None
+    kv_offload_disk_bytes: int = 16 * 2**30
 
     def __post_init__(self) -> None:
         positive("cache config", page_size=self.page_size, num_pages=self.num_pages)
@@ -156,6 +163,7 @@ class CacheConfig:
         n = self.max_state_snapshots
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
             raise fail("cache config", "max_state_snapshots", n, "must be null or an integer >= 0 (0: no snapshots)")
+        self._check_offload()
         if self.swap_space not in (None, 0):
             raise fail(
                 "cache config",
@@ -163,6 +171,30 @@ class CacheConfig:
                 self.swap_space,
                 "swapping KV pages is not supported: this engine keeps its pages in host memory and recomputes "
                 "preempted requests; pass 0 or omit it",
+            )
+
+    @property
+    def kv_offload(self) -> bool:
+        """Whether evicted cached blocks go to a second tier (a CPU budget or a directory)."""
+        return self.kv_offload_cpu_bytes > 0 or self.kv_offload_dir is not None
+
+    def _check_offload(self) -> None:
+        src = "cache config"
+        for key in ("kv_offload_cpu_bytes", "kv_offload_disk_bytes"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise fail(src, key, value, "must be an integer number of bytes >= 0 (0: no such tier)")
+        d = self.kv_offload_dir
+        if d is not None and (not isinstance(d, str | PathLike) or not str(d).strip()):
+            raise fail(src, "kv_offload_dir", d, "must be null (no disk tier) or a directory path")
+        if self.kv_offload and not self.enable_prefix_caching:
+            key = "kv_offload_cpu_bytes" if self.kv_offload_cpu_bytes else "kv_offload_dir"
+            raise fail(
+                src,
+                key,
+                getattr(self, key),
+                "KV offload keeps the blocks the prefix cache evicts; set enable_prefix_caching=True "
+                "(--enable-prefix-caching) or turn offload off (kv_offload_cpu_bytes 0, kv_offload_dir null)",
             )
 
 

@@ -141,8 +141,7 @@ class Engine:
         self.states = StatePool(spec, self.cfg.max_num_seqs) if spec is not None else None
         window = self.spec.draft_window if self.spec is not None else None
         self.runner = ModelRunner(target, self.drafter, self.blocks, self.pools, self.states, window)
-        snapshots = ccfg.max_state_snapshots
-        self.prefix = PrefixCaching(cache, self.blocks, self.runner, snapshots) if cache is not None else None
+        self.prefix = PrefixCaching(cache, self.blocks, self.runner, ccfg) if cache is not None else None
         if self.drafter is not None:
             assert self.spec is not None
             self.restrict_draft_vocab(read_draft_vocab(draft_dir, self.spec.draft_vocab_size, tcfg.vocab_size))
@@ -435,8 +434,10 @@ class Engine:
         req.finish_reason = reason
         req.stop_reason = stop_reason
         req.finish_time = time.monotonic()
-        self.scheduler.release(req)
-        self.runner.release_state(req.request_id)
+        held = req.hold and reason not in ("abort", "error")  # P/D: kept for export_request (engine/transfer.py)
+        self.scheduler.release(req, keep_pages=held)
+        if not held:
+            self.runner.release_state(req.request_id)
         if reason not in ("abort", "error"):
             self.metrics.num_requests_finished += 1
         self._updated.append(req)

@@ -36,6 +36,7 @@ class Request:
     aborted: bool = False
     error: str | None = None  # what raised while processing this request (finish_reason "error")
     detok: IncrementalDetokenizer | None = None  # output text (None: built outside Engine.add_request, no text)
+    hold: bool = False  # P/D disaggregation: a normal finish keeps its pages and state slot for export (transfer.py)
     # prefix caching: the chained hashes of its full blocks so far, the tokens its last admission found cached, where
     # a stateful target's prefill ends chunks (block boundaries whose states are worth a snapshot), and the block of
     # the snapshot its decoding keeps (the latest boundary it crossed; the one before is dropped)

@@ -58,13 +58,13 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def release(self, req: Request) -> None:
-        """Forget a finished or aborted request and return its pages."""
+    def release(self, req: Request, keep_pages: bool = False) -> None:
+        """Forget a finished or aborted request and return its pages (``keep_pages``: kept for an export)."""
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
-        if req.request_id in self.blocks:
+        if req.request_id in self.blocks and not keep_pages:
             self.blocks.release(req.request_id)
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+import dspark.native as native
 from dspark.config import GQATargetConfig
 from dspark.models.layers import (
     CAUSAL,
@@ -128,6 +129,10 @@ class GQAttention(nn.Module, Packable):
         B, T, _ = x.shape
         with scope("attn.proj"):
             q, rows = self.project(x, cos2, sin2)  # q [B, H, T, hd]
+        if T == 1 and cache is not None and mask is not CAUSAL and q.dtype != torch.float32:
+            out = self.decode_in_place(q, rows, mask, cache)
+            if out is not None:
+                return self.o_proj(out.transpose(1, 2).flatten(2))
         with scope("cache"):
             kv = rows if cache is None else cache.update(self.layer_idx, rows)
         with scope("attn.core"):
@@ -140,6 +145,21 @@ class GQAttention(nn.Module, Packable):
                 bias = same_dtype(attention_bias(mask), q.dtype)
                 out = grouped_sdpa(q, k.transpose(1, 2), v.transpose(1, 2), bias, self.scale)
             return self.o_proj(out.transpose(1, 2).flatten(2))
+
+
+    def decode_in_place(self, q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor, cache: CacheView):
+        """One-token decode in reduced precision: write the new rows, then the native kernel reads keys and values
+        where they lie in the pool (no gathered copy); None where the cache or the kernels cannot (the caller's
+        path then writes the same rows again).
+        fp32, the bit-exact reference, always takes torch's attention."""
+        attend = getattr(cache, "paged_attention", None)
+        if attend is None or native.ops() is None:
+            return None
+        with scope("cache"):
+            cache.write(self.layer_idx, rows)
+        with scope("attn.core"):
+            bias = attention_bias(mask)
+            return attend(self.layer_idx, q, bias, self.num_kv, self.num_kv * self.head_dim, self.scale)
 
 
 class DecoderLayer(nn.Module):

@@ -1,4 +1,4 @@
-"""dspark's native CPU kernels (``kernels.cpp``), compiled on first use for the running machine.
+"""dspark's native CPU kernels (``kernels.cpp``, ``attention.cpp``), compiled on first use for the running machine.
 
 The source is built with the machine's C++ compiler through ``torch.utils.cpp_extension`` (``-O3 -march=native
 -ffp-contract=off``, OpenMP through torch's own runtime, so ``torch.set_num_threads`` applies) into
@@ -12,7 +12,7 @@ also finds the default cache's build). A build takes ~25 s on one core; ``python
 logged and every caller uses its pure-PyTorch path, which stays the reference and the fallback.
 ``DSPARK_NATIVE_MARCH=haswell`` (or ``x86-64``) builds for a lesser CPU: the AVX2 (or scalar) paths, for tests.
 
-    ops = native.ops()      # torch.ops.dspark_native (quant_linear, rms_norm, silu_mul, build_info), or None
+    ops = native.ops()      # torch.ops.dspark_native (quant_linear, paged_attention, ...), or None
     native.status()         # "exact=avx512 int8=avx512-vnni+q8flip (<build dir>)", or why there are none
 """
 
@@ -34,6 +34,7 @@ __all__ = [
     "ENV",
     "MARCH_ENV",
     "SOURCE",
+    "SOURCES",
     "available",
     "build",
     "build_dir",
@@ -48,6 +49,7 @@ ENV = "DSPARK_NATIVE"  # "0" turns the native kernels off
 MARCH_ENV = "DSPARK_NATIVE_MARCH"  # another -march (haswell: the AVX2 path, x86-64: scalar), to test the other paths
 NAME = "dspark_native"  # the library name and the torch.ops namespace (TORCH_LIBRARY in kernels.cpp)
 SOURCE = Path(__file__).resolve().parent / "kernels.cpp"
+SOURCES = (SOURCE, SOURCE.with_name("attention.cpp"))  # one library, one torch.ops namespace
 LDFLAGS = ("-fopenmp",)
 
 
@@ -84,7 +86,7 @@ def cpu_key() -> str:
 def build_key() -> str:
     """Hash of the source, the flags, the CPU, torch's and Python's versions: one build per combination."""
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(cflags() + LDFLAGS).encode(), cpu_key().encode()):
+    for part in (*(s.read_bytes() for s in SOURCES), " ".join(cflags() + LDFLAGS).encode(), cpu_key().encode()):
         h.update(part)
         h.update(b"\0")
     h.update(f"{torch.__version__}|{sys.version_info[:2]}|{sys.platform}".encode())
@@ -133,7 +135,7 @@ def build(verbose: bool = False) -> Path:
     try:
         cpp_extension.load(
             name=NAME,
-            sources=[str(SOURCE)],
+            sources=[str(s) for s in SOURCES],
             extra_cflags=list(cflags()),
             extra_ldflags=list(LDFLAGS),
             build_directory=str(directory),
@@ -156,8 +158,8 @@ def _load() -> Any:
 
 
 def ops() -> Any:
-    """``torch.ops.dspark_native`` (quant_linear, rms_norm, silu_mul, build_info), built on first call; None when
-    ``DSPARK_NATIVE=0`` or when the build failed (logged once)."""
+    """``torch.ops.dspark_native`` (quant_linear, rms_norm, silu_mul, paged_attention, build_info), built on first
+    call; None when ``DSPARK_NATIVE=0`` or when the build failed (logged once)."""
     if not enabled():
         return None
     if "ops" in _state or "error" in _state:

@@ -16,6 +16,7 @@ from fastapi import FastAPI
 
 from dspark import __version__
 from dspark.engine.engine import Engine
+from dspark.serve import disagg
 from dspark.serve.config import ServerConfig
 from dspark.serve.errors import install_error_handlers
 from dspark.serve.middleware import ApiKeyMiddleware, BodyLimitMiddleware, ErrorMiddleware
@@ -40,11 +41,12 @@ def create_app(
 
     app = FastAPI(title="dspark", version=__version__, lifespan=lifespan)
     app.state.dspark = state
-    for module in (completions, chat, tokenize, admin):
+    for module in (completions, chat, tokenize, admin, disagg):
         app.include_router(module.router)
     install_error_handlers(app)
     app.add_middleware(ErrorMiddleware)  # innermost: the first added
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+    limits = {"max_bytes": config.max_request_bytes, "max_kv_transfer_bytes": config.max_kv_transfer_bytes}
+    app.add_middleware(BodyLimitMiddleware, **limits)
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     return app

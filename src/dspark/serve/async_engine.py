@@ -17,6 +17,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from dspark.engine.engine import Engine, EngineError, RequestOutput
+from dspark.engine.request import Request
+from dspark.engine.transfer import export_request, hold_for_export, import_request
 from dspark.sampling_params import SamplingParams
 
 logger = logging.getLogger("dspark.serve")
@@ -42,6 +44,18 @@ class _Add:
     params: SamplingParams
     request_id: str
     done: Future
+    export: bool = False  # P/D prefill: run the prompt and first token only, then export the state (stream.payload)
+
+
+@dataclass(frozen=True)
+class _Import:
+    """P/D decode: a shipped request (``engine/transfer.py``) joins the running batch."""
+
+    payload: bytes
+    params: SamplingParams
+    request_id: str
+    prompt_ids: list[int]
+    done: Future
 
 
 @dataclass(frozen=True)
@@ -62,6 +76,7 @@ class RequestStream:
         self.num_prompt_tokens = num_prompt_tokens
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
+        self.payload: bytes | BaseException | None = None  # an exported request's state, or why its export failed
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -107,6 +122,8 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        # P/D prefills to export when they finish, with the params their decode continues with
+        self._held: dict[str, tuple[Request, SamplingParams]] = {}
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -128,14 +145,32 @@ class AsyncEngine:
         return self.error is None and (self._thread is None or self._thread.is_alive())
 
     # ---- request API (event-loop thread) ---------------------------------------------------------------
-    async def add(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> RequestStream:
+    async def add(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, export: bool = False
+    ) -> RequestStream:
+        """``export``: a P/D prefill; the final output's stream holds the request's exported state (``payload``)."""
+        return await self._enqueue(
+            lambda done: _Add(prompt_ids, params, request_id, done, export), request_id, len(prompt_ids)
+        )
+
+    async def import_(
+        self, payload: bytes, params: SamplingParams, request_id: str, prompt_ids: list[int]
+    ) -> RequestStream:
+        """A P/D decode: continue a request from its shipped state; raises ``TransferError`` (nothing added)."""
+        return await self._enqueue(
+            lambda done: _Import(payload, params, request_id, prompt_ids, done), request_id, len(prompt_ids)
+        )
+
+    async def _enqueue(
+        self, command: Callable[[Future], object], request_id: str, num_prompt_tokens: int
+    ) -> RequestStream:
         if self.error is not None:
             raise EngineDeadError(f"the engine loop stopped after an error: {self.error!r}")
         self.start()
-        stream = RequestStream(self, request_id, len(prompt_ids))
+        stream = RequestStream(self, request_id, num_prompt_tokens)
         self._streams[request_id] = stream
         done: Future = Future()
-        self._commands.put(_Add(prompt_ids, params, request_id, done))
+        self._commands.put(command(done))
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -163,8 +198,9 @@ class AsyncEngine:
                     outs = self.engine.step() if self.engine.has_unfinished or touched else []
                     if outs and self.on_outputs is not None:
                         self.on_outputs(outs)
+                    exports = self._export(outs) if self._held else {}
                 if outs:
-                    self._post(self._deliver, outs)
+                    self._post(self._deliver, outs, exports)
         except BaseException as e:  # noqa: BLE001 - anything here kills the loop; tell every waiter
             logger.exception("engine loop failed")
             self.error = e
@@ -189,36 +225,64 @@ class AsyncEngine:
             if isinstance(cmd, _Abort):
                 self.engine.abort(cmd.request_id)
                 touched = True  # a step drains the aborted request's output
-            elif isinstance(cmd, _Add):
+            elif isinstance(cmd, _Add | _Import):
                 if not cmd.done.set_running_or_notify_cancel():
                     continue  # the caller was cancelled before the engine got to it
                 try:
-                    if len(self.engine.scheduler.waiting) >= self.engine.cfg.max_waiting:
-                        raise QueueFullError(
-                            f"the waiting queue is full ({self.engine.cfg.max_waiting} requests); retry later "
-                            "or start the server with a larger --max-waiting"
-                        )
-                    self.engine.add_request(cmd.prompt_ids, cmd.params, cmd.request_id)
+                    self._add(cmd)
                 except Exception as e:  # noqa: BLE001 - handed to the awaiting coroutine
                     cmd.done.set_exception(e)
                 else:
                     cmd.done.set_result(None)
+                    touched = touched or isinstance(cmd, _Import)  # a step reports its first token
         return touched
 
-    def _post(self, fn: Callable, arg: object) -> None:
+    def _add(self, cmd: _Add | _Import) -> None:
+        if isinstance(cmd, _Import):
+            import_request(self.engine, cmd.payload, cmd.params, cmd.request_id, cmd.prompt_ids)
+            return
+        if len(self.engine.scheduler.waiting) >= self.engine.cfg.max_waiting:
+            raise QueueFullError(
+                f"the waiting queue is full ({self.engine.cfg.max_waiting} requests); retry later "
+                "or start the server with a larger --max-waiting"
+            )
+        if cmd.export:
+            req = hold_for_export(self.engine, cmd.prompt_ids, cmd.params, cmd.request_id)
+            self._held[cmd.request_id] = (req, cmd.params)
+        else:
+            self.engine.add_request(cmd.prompt_ids, cmd.params, cmd.request_id)
+
+    def _export(self, outs: Sequence[RequestOutput]) -> dict[str, bytes | BaseException]:
+        """The payloads of held requests that finished this step (their pages and state slots freed either way);
+        one that was aborted or failed has nothing to export."""
+        exports: dict[str, bytes | BaseException] = {}
+        for out in outs:
+            held = self._held.pop(out.request_id, None) if out.finished else None
+            if held is None or out.finish_reason in ("abort", "error"):
+                continue
+            req, params = held
+            try:
+                exports[out.request_id] = export_request(self.engine, req, params)
+            except Exception as e:  # noqa: BLE001 - the route reports it; the decode side then prefills itself
+                logger.exception("exporting request %s failed", out.request_id)
+                exports[out.request_id] = e
+        return exports
+
+    def _post(self, fn: Callable, *args: object) -> None:
         loop = self._loop
         if loop is not None and not loop.is_closed():
             try:
-                loop.call_soon_threadsafe(fn, arg)
+                loop.call_soon_threadsafe(fn, *args)
             except RuntimeError:  # loop closed between the check and the call (shutdown)
                 pass
 
     # ---- event-loop thread callbacks -------------------------------------------------------------------
-    def _deliver(self, outs: Sequence[RequestOutput]) -> None:
+    def _deliver(self, outs: Sequence[RequestOutput], exports: dict[str, bytes | BaseException]) -> None:
         for out in outs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
+            stream.payload = exports.get(out.request_id, stream.payload)
             failed = out.finished and out.finish_reason == "error"
             item = RequestFailedError(f"request {out.request_id} failed: {out.error}") if failed else out
             stream.queue.put_nowait(item)

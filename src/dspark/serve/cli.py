@@ -9,9 +9,9 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from dspark.cli_common import add_precision_args, add_prefix_caching_arg
+from dspark.cli_common import add_kv_offload_args, add_precision_args, add_prefix_caching_arg, kv_offload_kwargs
 from dspark.config import ConfigError, EngineConfig
-from dspark.serve.config import ServerConfig
+from dspark.serve.config import ROLES, ServerConfig
 
 if TYPE_CHECKING:
     from dspark.engine.engine import Engine
@@ -46,6 +46,9 @@ def server_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Serve
         served_model_name=args.served_model_name,
         max_request_bytes=args.max_request_bytes,
         max_prompts_per_request=args.max_prompts_per_request,
+        role=args.role,
+        kv_transfer_timeout_s=args.kv_transfer_timeout,
+        max_kv_transfer_bytes=args.max_kv_transfer_bytes,
     )
 
 
@@ -64,6 +67,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     method = engine.spec.method if engine.spec is not None else "none"
     print(f"dspark serve: model {name!r} (speculation: {method}) on http://{args.host}:{args.port}/v1", flush=True)
     print(f"dspark serve: {engine.precision.describe()}", flush=True)
+    if config.role != "both":
+        print(f"dspark serve: role {config.role} (prefill/decode disaggregation; see dspark serve-proxy)", flush=True)
     warning = bind_warning(args.host, config.api_key)
     if warning:
         print(warning, file=sys.stderr, flush=True)
@@ -93,6 +98,7 @@ def _engine(args: argparse.Namespace) -> Engine:
         seed=args.seed,
         max_waiting=args.max_waiting,
         enable_prefix_caching=args.enable_prefix_caching,
+        **kv_offload_kwargs(args),
     )
 
 
@@ -137,11 +143,67 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-pages", type=int, default=None, help="KV cache pages (default: sized for max-num-seqs)")
     p.add_argument("--seed", type=int, default=d.seed)
     add_prefix_caching_arg(p)
+    add_kv_offload_args(p)
     add_precision_args(p)
     p.add_argument(
         "--attention-backend",
         default=None,
         help="target attention: torch | sdpa | a vLLM backend name (runs as sdpa here); default: each model's",
     )
+    _add_disagg_args(p, s)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
+    add_proxy_parser(sub)
+
+
+def _add_disagg_args(p: argparse.ArgumentParser, s: ServerConfig) -> None:
+    p.add_argument(
+        "--role",
+        default=s.role,
+        choices=ROLES,
+        help="prefill/decode disaggregation: 'prefill' runs prompts and ships their KV state to a decode instance, "
+        "'decode' continues shipped requests; 'both' (default) serves whole requests and either part",
+    )
+    p.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=s.kv_transfer_timeout_s,
+        help="seconds a prefill instance's push of a KV payload may take (then the decode instance prefills)",
+    )
+    p.add_argument(
+        "--max-kv-transfer-bytes", type=int, default=s.max_kv_transfer_bytes, help="larger KV payloads get 413"
+    )
+
+
+def cmd_serve_proxy(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from dspark.serve.proxy import create_proxy_app
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(name)s %(message)s")
+    app = create_proxy_app(args.prefill, args.decode, args.timeout)
+    print(
+        f"dspark serve-proxy: prefill {args.prefill}, decode {args.decode}, on http://{args.host}:{args.port}/v1",
+        flush=True,
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def add_proxy_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve-proxy",
+        help="prefill/decode disaggregation proxy: prompts on a prefill instance, decoding on a decode instance",
+        description="POST /v1/completions and /v1/chat/completions go to the prefill instance (dspark serve --role "
+        "prefill), which ships the request's KV state to the decode instance (--role decode), which streams or "
+        "returns the completion. Failures fall back to one instance, with a warning line.",
+    )
+    p.add_argument("--prefill", required=True, help="the prefill instance's base URL, e.g. http://127.0.0.1:8100")
+    p.add_argument("--decode", required=True, help="the decode instance's base URL, e.g. http://127.0.0.1:8200")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one forwarded request may take")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_serve_proxy)

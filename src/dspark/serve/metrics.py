@@ -11,12 +11,20 @@ Exported families (every one labelled ``model_name``):
       dspark:spec_decode_verify_tokens_total, dspark:spec_decode_num_steps_total,
       dspark:spec_decode_mean_acceptance_length (gauge, 1 + accepted / drafts)
   vllm:prompt_tokens_total, vllm:generation_tokens_total, vllm:num_preemptions_total,
-  vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total (tokens looked up / found cached at admission; 0 with
-      prefix caching off),
+  vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total (tokens looked up / found cached in the pool at
+      admission; 0 with prefix caching off),
+  vllm:external_prefix_cache_queries_total, vllm:external_prefix_cache_hits_total (KV offload: tokens of admissions
+      that could look up the offload tiers / tokens of blocks loaded back from them),
+  dspark:kv_offload_stores_total{tier}, dspark:kv_offload_loads_total{tier}, dspark:kv_offload_corrupt_drops_total
+      {tier}, dspark:kv_offload_evictions_total{tier} (blocks; tier "cpu" or "disk"; 0 with offload off),
   vllm:request_success_total{finished_reason="stop"|"length"|"abort"|"error"},
   vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc (fraction 0..1),
   vllm:time_to_first_token_seconds, vllm:e2e_request_latency_seconds,
   vllm:request_time_per_output_token_seconds, vllm:request_prompt_tokens, vllm:request_generation_tokens
+  dspark:kv_transfer_bytes_total{direction="sent"|"received"}, dspark:kv_transfer_requests_total{direction="sent"|
+      "imported"}, dspark:kv_transfer_failures_total, dspark:kv_transfer_fallbacks_total (P/D disaggregation: payload
+      bytes pushed by a prefill instance / accepted by a decode instance, requests shipped and continued, failed
+      exports, pushes or imports, and requests a decode instance prefilled itself for want of a usable payload)
 """
 
 from __future__ import annotations
@@ -28,8 +36,10 @@ from collections.abc import Iterator, Sequence
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from dspark.cache.offload import TIERS, OffloadStats
 from dspark.engine.engine import Engine, RequestOutput
 from dspark.engine.metrics import SpecDecodingMetrics
+from dspark.engine.transfer import TransferMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -48,6 +58,7 @@ class ServerMetrics:
         self.lock = lock
         self.registry = CollectorRegistry(auto_describe=True)
         self.finished_by_reason: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
+        self.transfer = TransferMetrics()  # P/D disaggregation (serve/disagg.py)
         self._first_seen: set[str] = set()
         labels = ["model_name"]
 
@@ -98,6 +109,7 @@ class _EngineCollector:
         o = self.owner
         with o.lock if o.lock is not None else contextlib.nullcontext():
             yield from self._families(o.engine, o.model_name, dict(o.finished_by_reason))
+        yield from _transfer_families(o.transfer, o.model_name)
 
     @staticmethod
     def _families(engine: Engine, name: str, by_reason: dict[str, int]) -> Iterator[Metric]:
@@ -108,6 +120,7 @@ class _EngineCollector:
         pc = m.prefix_cache
         yield _counter(name, "vllm:prefix_cache_queries", "Prefix cache queries, in queried tokens.", pc.queries)
         yield _counter(name, "vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens.", pc.hits)
+        yield from _offload_families(engine.prefix.offload_stats if engine.prefix is not None else None, name)
         success = CounterMetricFamily(
             "vllm:request_success", "Finished requests by reason.", labels=["model_name", "finished_reason"]
         )
@@ -121,6 +134,45 @@ class _EngineCollector:
         yield _gauge(name, "vllm:kv_cache_usage_perc", "Fraction of KV cache pages in use.", used)
         if engine.K > 0:
             yield from _spec_families(engine.metrics.spec, engine.K, name)
+
+
+def _offload_families(stats: OffloadStats | None, name: str) -> Iterator[Metric]:
+    s = stats or OffloadStats()
+    yield _counter(name, "vllm:external_prefix_cache_queries", "KV offload lookups, in queried tokens.", s.queries)
+    yield _counter(name, "vllm:external_prefix_cache_hits", "KV offload hits, in tokens loaded back.", s.hits)
+    for metric, doc, counts in (
+        ("stores", "Evicted cached blocks stored in an offload tier.", s.stores),
+        ("loads", "Offloaded blocks loaded back into the KV pool.", s.loads),
+        ("corrupt_drops", "Offloaded blocks found corrupt or truncated and dropped.", s.corrupt_drops),
+        ("evictions", "Blocks pushed out of a full offload tier.", s.evictions),
+    ):
+        c = CounterMetricFamily(f"dspark:kv_offload_{metric}", doc, labels=["model_name", "tier"])
+        for tier in TIERS:
+            c.add_metric([name, tier], counts[tier])
+        yield c
+
+
+def _transfer_families(t: TransferMetrics, name: str) -> Iterator[Metric]:
+    for metric, doc, by_direction in (
+        (
+            "dspark:kv_transfer_bytes",
+            "KV transfer payload bytes.",
+            {"sent": t.bytes_sent, "received": t.bytes_received},
+        ),
+        (
+            "dspark:kv_transfer_requests",
+            "Requests shipped / continued.",
+            {"sent": t.requests_sent, "imported": t.requests_imported},
+        ),
+    ):
+        family = CounterMetricFamily(metric, doc, labels=["model_name", "direction"])
+        for direction, value in by_direction.items():
+            family.add_metric([name, direction], value)
+        yield family
+    yield _counter(name, "dspark:kv_transfer_failures", "Failed KV exports, pushes or imports.", t.failures)
+    yield _counter(
+        name, "dspark:kv_transfer_fallbacks", "Requests prefilled locally for want of a payload.", t.fallbacks
+    )
 
 
 def _counter(name: str, metric: str, doc: str, value: float) -> CounterMetricFamily:

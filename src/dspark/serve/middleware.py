@@ -41,24 +41,31 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def _too_large(limit: int) -> str:
+KV_TRANSFER_PATH = "/v1/kv_transfer/"  # P/D payloads (serve/disagg.py): their own, larger limit
+
+
+def _too_large(limit: int, flag: str) -> str:
     return (
-        f"the request body is larger than {limit} bytes, the server's limit (--max-request-bytes); "
+        f"the request body is larger than {limit} bytes, the server's limit ({flag}); "
         "send a smaller request or raise the limit"
     )
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: Any, max_bytes: int) -> None:
+    def __init__(self, app: Any, max_bytes: int, max_kv_transfer_bytes: int | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.max_kv_transfer_bytes = max_kv_transfer_bytes or max_bytes
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit, flag = self.max_bytes, "--max-request-bytes"
+        if scope["path"].startswith(KV_TRANSFER_PATH):
+            limit, flag = self.max_kv_transfer_bytes, "--max-kv-transfer-bytes"
         declared = dict(scope.get("headers") or []).get(b"content-length", b"0")
-        if declared.isdigit() and int(declared) > self.max_bytes:
-            err = APIError(413, _too_large(self.max_bytes), param=None, code="request_too_large")
+        if declared.isdigit() and int(declared) > limit:
+            err = APIError(413, _too_large(limit, flag), param=None, code="request_too_large")
             return await err.response({"Connection": "close"})(scope, receive, send)
         seen = 0
 
@@ -66,8 +73,8 @@ class BodyLimitMiddleware:
             nonlocal seen
             message = await receive()
             seen += len(message.get("body", b""))
-            if seen > self.max_bytes:  # a chunked body without Content-Length: stop reading it
-                raise StarletteHTTPException(413, _too_large(self.max_bytes))
+            if seen > limit:  # a chunked body without Content-Length: stop reading it
+                raise StarletteHTTPException(413, _too_large(limit, flag))
             return message
 
         await self.app(scope, counted, send)

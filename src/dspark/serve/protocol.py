@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
+from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError, core_schema
 
 from dspark.sampling_params import INT64_MAX, INT64_MIN, MAX_TEMPERATURE
@@ -204,6 +205,17 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False
 
 
+class KVTransferParams(_Request):
+    """vLLM's ``kv_transfer_params``, set by the P/D proxy (``dspark serve-proxy``), not by clients: a prefill
+    instance gets ``do_remote_decode`` (run the prompt, push its state to ``decode_url``), a decode instance
+    ``do_remote_prefill`` (continue from the pushed state ``transfer_id``, else prefill locally)."""
+
+    transfer_id: Annotated[Text, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    decode_url: Annotated[Text, Field(pattern=r"^https?://")] | None = None
+
+
 class _SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI names, plus vLLM's top_k/ignore_eos).
     The ranges are ``SamplingParams``'s."""
@@ -221,6 +233,8 @@ class _SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
+    # between dspark instances (the P/D proxy sets it), so not in /openapi.json's public contract
+    kv_transfer_params: SkipJsonSchema[KVTransferParams | None] = None
 
 
 NO_LOGPROBS = "the dspark server does not compute logprobs; omit 'logprobs'"

@@ -15,6 +15,7 @@ from dspark.sampling_params import SamplingParams
 from dspark.serve.async_engine import AsyncEngine, RequestStream
 from dspark.serve.config import ServerConfig
 from dspark.serve.errors import APIError
+from dspark.serve.kv_inbox import KVInbox
 from dspark.serve.metrics import ServerMetrics
 from dspark.serve.protocol import ResponseMetrics, spec_metrics_of
 
@@ -41,6 +42,7 @@ class ServerState:
         self.async_engine = AsyncEngine(engine)
         self.metrics = ServerMetrics(engine, self.model_name, self.async_engine.lock)
         self.async_engine.on_outputs = self.metrics.record
+        self.inbox = KVInbox()  # P/D decode: payloads pushed by prefill instances (serve/disagg.py)
         self._tokenizer_thread: ThreadPoolExecutor | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -75,15 +77,15 @@ class ServerState:
         return ResponseMetrics(speculative_decoding=spec) if spec is not None else None
 
     async def submit(
-        self, prompts: Sequence[list[int]], params: Sequence[SamplingParams], prefix: str
+        self, prompts: Sequence[list[int]], params: Sequence[SamplingParams], prefix: str, export: bool = False
     ) -> list[RequestStream]:
         """One engine request per prompt, with its own params (ids ``prefix`` or ``prefix-i``); all or none are
-        added."""
+        added. ``export``: P/D prefills (``AsyncEngine.add``)."""
         streams: list[RequestStream] = []
         try:
             for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
                 rid = prefix if len(prompts) == 1 else f"{prefix}-{i}"
-                streams.append(await self.async_engine.add(ids, p, rid))
+                streams.append(await self.async_engine.add(ids, p, rid, export))
         except BaseException:
             for s in streams:
                 s.abort()

@@ -11,6 +11,7 @@ from fastapi.responses import Response
 from dspark.engine.engine import RequestOutput
 from dspark.sampling_params import SamplingParams
 from dspark.serve.async_engine import IncrementalText, RequestStream
+from dspark.serve.disagg import open_streams, prefill_for_remote_decode
 from dspark.serve.errors import GENERATION_ERRORS
 from dspark.serve.inputs import check_length, encode_chat, sampling_params_of
 from dspark.serve.protocol import (
@@ -40,7 +41,12 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
     ids = await state.off_loop(encode_chat, state.engine, req.messages)
     params = _params(state, req, len(ids))
     rid = new_id("chatcmpl")
-    streams = await state.submit([ids], [params], rid)
+    kv = req.kv_transfer_params
+    if kv is not None and kv.do_remote_decode:  # P/D prefill: the first token here, the rest on a decode instance
+        return await prefill_for_remote_decode(
+            state, request, kv, [ids], [params], rid, lambda out: _response(state, req, rid, out, len(ids))
+        )
+    streams = await open_streams(state, [ids], [params], rid, kv)  # P/D decode: continued from a shipped state
     if req.stream:
         return streaming_response(_events(state, req, rid, streams[0], params), streams)
     try:

@@ -11,6 +11,7 @@ from fastapi.responses import Response
 from dspark.engine.engine import RequestOutput
 from dspark.sampling_params import SamplingParams
 from dspark.serve.async_engine import IncrementalText, RequestStream
+from dspark.serve.disagg import open_streams, prefill_for_remote_decode
 from dspark.serve.errors import GENERATION_ERRORS
 from dspark.serve.inputs import check_length, encode_completion_prompts, sampling_params_of
 from dspark.serve.protocol import CompletionChoice, CompletionRequest, CompletionResponse, CompletionStreamResponse
@@ -32,7 +33,13 @@ async def completions(req: CompletionRequest, request: Request, state: State):
     prompts = await state.off_loop(encode_completion_prompts, engine, req.prompt, state.config.max_prompts_per_request)
     params = _params(state, req, prompts)
     rid = new_id("cmpl")
-    streams = await state.submit(prompts, params, rid)
+    kv = req.kv_transfer_params
+    if kv is not None and kv.do_remote_decode:  # P/D prefill: the first token here, the rest on a decode instance
+        lens = [len(p) for p in prompts]
+        return await prefill_for_remote_decode(
+            state, request, kv, prompts, params, rid, lambda out: _response(state, req, rid, [out], lens)
+        )
+    streams = await open_streams(state, prompts, params, rid, kv)  # P/D decode: continued from a shipped state
     if req.stream:
         return streaming_response(_events(state, req, rid, streams, params), streams)
     try:
