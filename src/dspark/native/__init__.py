@@ -1,4 +1,5 @@
-"""dspark's native CPU kernels (``kernels.cpp``, ``attention.cpp``), compiled on first use for the running machine.
+"""dspark's native CPU kernels (``kernels.cpp``, ``elementwise.cpp``, ``attention.cpp``), compiled on first use for
+the running machine.
 
 The source is built with the machine's C++ compiler through ``torch.utils.cpp_extension`` (``-O3 -march=native
 -ffp-contract=off``, OpenMP through torch's own runtime, so ``torch.set_num_threads`` applies) into
@@ -49,7 +50,8 @@ ENV = "DSPARK_NATIVE"  # "0" turns the native kernels off
 MARCH_ENV = "DSPARK_NATIVE_MARCH"  # another -march (haswell: the AVX2 path, x86-64: scalar), to test the other paths
 NAME = "dspark_native"  # the library name and the torch.ops namespace (TORCH_LIBRARY in kernels.cpp)
 SOURCE = Path(__file__).resolve().parent / "kernels.cpp"
-SOURCES = (SOURCE, SOURCE.with_name("attention.cpp"))  # one library, one torch.ops namespace
+SOURCES = (SOURCE, SOURCE.with_name("elementwise.cpp"), SOURCE.with_name("attention.cpp"))  # one library
+HEADERS = (SOURCE.with_name("quant_blocks.h"),)  # hashed into the build key with the sources
 LDFLAGS = ("-fopenmp",)
 
 
@@ -86,7 +88,8 @@ def cpu_key() -> str:
 def build_key() -> str:
     """Hash of the source, the flags, the CPU, torch's and Python's versions: one build per combination."""
     h = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in SOURCES), " ".join(cflags() + LDFLAGS).encode(), cpu_key().encode()):
+    code = (f.read_bytes() for f in (*SOURCES, *HEADERS))
+    for part in (*code, " ".join(cflags() + LDFLAGS).encode(), cpu_key().encode()):
         h.update(part)
         h.update(b"\0")
     h.update(f"{torch.__version__}|{sys.version_info[:2]}|{sys.platform}".encode())

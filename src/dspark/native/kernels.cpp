@@ -20,7 +20,7 @@
 //   speculative verify of K+1 rows computes what K+1 decode steps would.
 // Threads: at::parallel_for over groups of output rows (torch's OpenMP pool: torch.set_num_threads applies).
 //
-// rms_norm / silu_mul: fp32 helpers (fused residual add + RMSNorm; SwiGLU's silu(g)·u).
+// rms_norm / silu_mul: elementwise.cpp; paged_attention: attention.cpp; layouts and helpers: quant_blocks.h.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -38,78 +38,10 @@
 #include <immintrin.h>
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-#define DSPARK_VNNI512 1
-#endif
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define DSPARK_AVX2 1
-#endif
+#include "quant_blocks.h"
 
 namespace {
 
-constexpr int64_t QK = 32;  // values per block
-enum QType : int64_t { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
-
-template <int QT>
-constexpr int64_t kBlockBytes = QT == Q4_0 ? 18 : QT == Q4_1 ? 20 : 34;
-template <int QT>
-constexpr int64_t kQsOffset = QT == Q4_1 ? 4 : 2;
-
-#if defined(DSPARK_VNNI512)
-constexpr const char* kInt8Path = "avx512-vnni";
-constexpr bool kPairs = true;   // two blocks per 512-bit product
-constexpr bool kQ8Flip = true;  // Q8 weights made unsigned (w + 128), corrected per block
-constexpr int kInt8Tile = 8;    // activation rows per pass over a weight row
-#elif defined(DSPARK_AVX2)
-constexpr const char* kInt8Path = "avx2";
-constexpr bool kPairs = false;
-constexpr bool kQ8Flip = false;
-constexpr int kInt8Tile = 4;
-#else
-constexpr const char* kInt8Path = "scalar";
-constexpr bool kPairs = false;
-constexpr bool kQ8Flip = false;
-constexpr int kInt8Tile = 4;
-#endif
-
-inline float h2f(const uint8_t* p) {  // IEEE half (little-endian bytes) -> float, exact
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
-  uint32_t bits;
-  if (exp == 0) {
-    const float f = float(mant) * 5.9604644775390625e-08f;  // subnormal (or zero): mant · 2^-24
-    return sign ? -f : f;
-  }
-  bits = exp == 31 ? sign | 0x7F800000u | (mant << 13) : sign | ((exp + 112) << 23) | (mant << 13);
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-#endif
-}
-
-#if defined(__AVX2__)
-inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-#endif
-
-// The weight rows stream from memory once per product; with several activation rows per block the arithmetic is
-// slow enough that the hardware prefetchers fall behind (measured: a cold 8-row pass over SmolLM2's weights ~16 %
-// slower without this). Each block asks for the bytes kPrefetchBytes further on (rows lie back to back).
-constexpr int64_t kPrefetchBytes = 2048;
-inline void prefetch_ahead(const uint8_t* p) { __builtin_prefetch(p + kPrefetchBytes, 0, 3); }  // prefetcht0
-
-struct Weights {
-  const uint8_t* blocks;  // [N, row_bytes]
-  const float* bias;      // [N] or null
-  int64_t row_bytes;
-};
 
 // ================================================================================================ exact path
 //
@@ -816,87 +748,6 @@ at::Tensor dequantize(const at::Tensor& blocks, int64_t qtype, int64_t K) {
   return out;
 }
 
-// ================================================================================================ elementwise
-
-inline float dot_f32(const float* a, const float* b, int64_t n) {
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  if (i < n) {
-    const __mmask16 k = static_cast<__mmask16>((1u << (n - i)) - 1);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a + i), _mm512_maskz_loadu_ps(k, b + i), acc);
-  }
-  return _mm512_reduce_add_ps(acc);
-#elif defined(DSPARK_AVX2)
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float s = hsum256(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-#else
-  float s = 0.0f;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-#endif
-}
-
-// x, residual [..., D] fp32 (residual optional); w [D] -> (w · h / rms(h), h) with h = x (+ residual)
-std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps,
-                                            const std::optional<at::Tensor>& residual) {
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat && w_in.scalar_type() == at::kFloat, "dspark rms_norm: fp32 only");
-  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
-  const int64_t D = x.size(-1), R = D ? x.numel() / D : 0;
-  TORCH_CHECK(w.numel() == D, "dspark rms_norm: weight has ", w.numel(), " values for rows of ", D);
-  const bool add = residual.has_value();
-  if (add) {
-    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == at::kFloat,
-                "dspark rms_norm: residual must match x");
-  }
-  const at::Tensor r = add ? residual->contiguous() : x;
-  at::Tensor h = add ? at::empty(x.sizes(), x.options()) : x;
-  at::Tensor y = at::empty(x.sizes(), x.options());
-  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>(), *rp = r.data_ptr<float>();
-  float *hp = h.data_ptr<float>(), *yp = y.data_ptr<float>();
-  at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) {
-    for (int64_t i = r0; i < r1; ++i) {
-      const float* src = xp + i * D;
-      if (add) {
-        float* hr = hp + i * D;
-        const float* rr = rp + i * D;
-        for (int64_t j = 0; j < D; ++j) hr[j] = src[j] + rr[j];
-        src = hr;
-      }
-      const float inv = 1.0f / std::sqrt(dot_f32(src, src, D) / float(D) + float(eps));
-      float* yr = yp + i * D;
-      for (int64_t j = 0; j < D; ++j) yr[j] = wp[j] * (src[j] * inv);
-    }
-  });
-  return {y, h};
-}
-
-// gate_up [..., 2I] fp32 -> silu(gate) · up [..., I]
-at::Tensor silu_mul(const at::Tensor& gu_in) {
-  TORCH_CHECK(gu_in.scalar_type() == at::kFloat, "dspark silu_mul: fp32 only");
-  const at::Tensor gu = gu_in.contiguous();
-  const int64_t I2 = gu.size(-1), I = I2 / 2, R = I2 ? gu.numel() / I2 : 0;
-  TORCH_CHECK(I2 % 2 == 0, "dspark silu_mul: last dim ", I2, " is odd");
-  std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
-  shape.back() = I;
-  at::Tensor y = at::empty(shape, gu.options());
-  const float* gp = gu.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t i = r0; i < r1; ++i) {
-      const float *g = gp + i * I2, *u = g + I;
-      float* o = yp + i * I;
-      for (int64_t j = 0; j < I; ++j) o[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
-    }
-  });
-  return y;
-}
-
 std::string build_info() {
   return std::string("exact=") + kExactPath + " int8=" + kInt8Path + (kQ8Flip ? "+q8flip" : "");
 }
@@ -906,7 +757,5 @@ std::string build_info() {
 TORCH_LIBRARY(dspark_native, lib) {
   lib.def("quant_linear(Tensor x, Tensor blocks, Tensor? bias, int qtype, bool int8=False) -> Tensor", &quant_linear);
   lib.def("dequantize(Tensor blocks, int qtype, int K) -> Tensor", &dequantize);
-  lib.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)", &rms_norm);
-  lib.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
   lib.def("build_info() -> str", &build_info);
 }
