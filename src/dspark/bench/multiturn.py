@@ -123,6 +123,7 @@ def run_multiturn(
         "speculative_config": json.loads(spec) if spec else None,
         "max_tokens": max_tokens,
         "identical_outputs": answers[0] == answers[1],
+        "identical_conversations": sum(a == b for a, b in zip(*answers)),
         "modes": [asdict(r) | {"hit_rate": round(r.hit_rate, 4)} for r in results],
     }
 
@@ -144,6 +145,8 @@ def markdown(report: dict[str, Any]) -> str:
     speed = off["turn2_ttft_ms_mean"] / max(on["turn2_ttft_ms_mean"], 1e-9)
     rows.append(
         f"\nsecond turns: {saved:.0%} fewer prompt tokens prefilled, time to first token {speed:.2f}x faster; "
-        f"outputs identical with and without caching: {'yes' if report['identical_outputs'] else 'NO'}"
+        f"outputs identical with and without caching: {'yes' if report['identical_outputs'] else 'NO'} "
+        f"({report['identical_conversations']}/{off['conversations']} "
+        "conversations)"
     )
     return "\n".join(rows)
