@@ -33,6 +33,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -187,15 +188,15 @@ class Regenerator:
         self.t0 = time.perf_counter()
         self.generated = 0
         self.gen_s = 0.0
+        self.records: list[dict[str, Any]] = []  # the shards this run wrote
 
     def out_of_time(self) -> bool:
         return self.cfg.max_minutes is not None and time.perf_counter() - self.t0 > self.cfg.max_minutes * 60
 
-    def run(self, split: str, prompts: Sequence[Prompt]) -> list[dict[str, Any]]:
+    def run(self, split: str, prompts: Sequence[Prompt]) -> None:
         from dspark.sampling_params import SamplingParams
 
         cfg, tok = self.cfg, self.engine.tokenizer
-        records = []
         for k, start in enumerate(range(0, len(prompts), cfg.shard_size)):
             path = self.out / SHARD_NAME[split].format(k)
             if path.is_file():
@@ -221,23 +222,22 @@ class Regenerator:
             meta = {"split": split, "shard": k, "samples": items, "skipped_prompts": len(chunk) - len(samples)}
             save_shard(path, samples, meta)
             rec = {"file": path.name, "samples": len(samples), "response_tokens": n_new, "seconds": round(dt, 1)}
-            records.append(rec)
+            self.records.append(rec)
             self.after_shard()
             self.say(
                 f"sharegpt-regen: {path.name} {len(samples)} samples, {n_new} response tokens, "
                 f"{n_new / max(dt, 1e-9):.0f} tok/s ({self.generated} tokens in {time.perf_counter() - self.t0:.0f}s)"
             )
-        return records
 
 
-def update_outputs(out: Path, cfg: RegenConfig, run: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Rewrite train.npz / validation.npz from the shards, and the manifest (its list of runs is kept across
-    resumed runs; ``run`` is appended to it)."""
+def update_outputs(out: Path, cfg: RegenConfig, run: dict[str, Any]) -> dict[str, Any]:
+    """Rewrite train.npz / validation.npz from the shards, and the manifest: its list of runs is kept across resumed
+    runs, and ``run`` replaces the entry with its ``started`` time (a run updates its own entry after every shard,
+    so a killed run leaves its record too)."""
     manifest_path = out / MANIFEST_FILE
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {"runs": []}
     manifest |= {"config": asdict(cfg)}
-    if run is not None:
-        manifest["runs"].append(run)
+    manifest["runs"] = [r for r in manifest["runs"] if r.get("started") != run["started"]] + [run]
     for split, name in (("train", TRAIN_FILE), ("validation", VALIDATION_FILE)):
         ds = merge_shards(out, split)
         if ds is None:
@@ -279,10 +279,23 @@ def regenerate(cfg: RegenConfig, say: Callable[[str], None] = print) -> dict[str
             f"exceed the target's max_model_len {engine.max_model_len}; lower one of them"
         )
     say(f"sharegpt-regen: {len(train_prompts)} train + {len(val_prompts)} validation prompts from {src}")
-    regen = Regenerator(cfg, engine, say, after_shard=lambda: update_outputs(out, cfg))
-    records = regen.run("validation", val_prompts) + regen.run("train", train_prompts)
-    speed = regen.generated / max(regen.gen_s, 1e-9)
-    extra = {
+    started = datetime.now(UTC).isoformat(timespec="microseconds")
+
+    def record() -> dict[str, Any]:
+        return run_record(started, src, counts, engine, regen.records, regen.generated, regen.gen_s)
+
+    regen = Regenerator(cfg, engine, say, after_shard=lambda: update_outputs(out, cfg, record()))
+    regen.run("validation", val_prompts)
+    regen.run("train", train_prompts)
+    return update_outputs(out, cfg, record())
+
+
+def run_record(
+    started: str, src: Path, counts: dict, engine: Any, records: list, generated: int, gen_s: float
+) -> dict[str, Any]:
+    """What the manifest keeps of one run: where and how the shards were made, and how fast."""
+    return {
+        "started": started,
         "commit": git_commit(),
         "source": str(src),
         "selection": counts,
@@ -290,11 +303,10 @@ def regenerate(cfg: RegenConfig, say: Callable[[str], None] = print) -> dict[str
         "quantization": getattr(engine.cfg, "quantization", None),
         "cpu_capability": _cpu_capability(),
         "threads": _threads(),
-        "shards_written": records,
-        "generated_tokens": regen.generated,
-        "generated_tokens_per_s": round(speed, 1),
+        "shards_written": list(records),
+        "generated_tokens": generated,
+        "generated_tokens_per_s": round(generated / max(gen_s, 1e-9), 1),
     }
-    return update_outputs(out, cfg, extra)
 
 
 def _cpu_capability() -> str:
