@@ -26,16 +26,28 @@ def _drive(guard: SpeculationGuard, steps: int, draft_rate: float, plain_rate: f
     return modes
 
 
-def test_guard_turns_drafting_off_when_plain_steps_are_faster_and_keeps_probing():
-    guard = SpeculationGuard(period=10, probe=2, warmup=3)
-    modes = _drive(guard, 60, draft_rate=2, plain_rate=3)
+def test_guard_turns_drafting_off_when_plain_steps_are_faster_and_keeps_probing_less_often():
+    guard = SpeculationGuard(period=10, probe=2, warmup=3, max_period=40)
+    modes = _drive(guard, 150, draft_rate=2, plain_rate=3)
     assert modes[:3] == [True] * 3  # warm-up rounds, then the first probe of plain decoding
     assert modes[3:5] == [False, False]
     after = "".join("d" if m else "p" for m in modes[5:])
-    runs = [r for r in after.split("p") if r]
-    assert len(runs) >= 4 and set(runs[:-1]) == {"dd"}  # probes of speculation keep coming, two rounds each
-    assert after.count("p") > 4 * after.count("d")  # plain leads
+    probes = [r for r in after.split("p") if r]
+    assert len(probes) >= 4 and set(probes[:-1]) == {"dd"}  # probes of speculation keep coming, two rounds each
+    gaps = [len(r) for r in after.split("dd")][:4]
+    assert gaps == [10, 20, 40, 40]  # each confirming probe doubles the wait, up to max_period
     assert guard.report()["1"]["drafting"] is False
+    assert "up to every 40" in guard.describe()[0]
+
+
+def test_a_probe_that_drafting_wins_brings_the_period_back():
+    guard = SpeculationGuard(period=4, probe=1, warmup=1, max_period=64, alpha=1.0)
+    _drive(guard, 60, draft_rate=1, plain_rate=3)  # plain leads; the wait has grown
+    assert guard.buckets[1].period > 4
+    modes = _drive(guard, 200, draft_rate=5, plain_rate=3)  # the text turned predictable
+    assert modes[-1] is True and guard.buckets[1].period == 4
+    tail = "".join("d" if m else "p" for m in modes[-40:])
+    assert tail.count("p") >= 40 // 5 - 1  # plain decoding is probed every 4 rounds again
 
 
 def test_guard_keeps_drafting_when_rounds_pay_and_decides_per_batch_size():

@@ -6,7 +6,9 @@ chat, at high temperature), how many requests share the step (verify rows stop b
 and the machine. ``SpeculationGuard`` measures it instead. For every batch-size bucket it keeps the tokens emitted
 per second of speculative rounds and of plain steps (exponential moving averages of tokens and of seconds), lets
 the faster mode lead, and every ``period`` steps of the leader runs ``probe`` steps of the other mode to refresh
-its estimate (the text, the depth and the machine's load drift). Either mode samples from the target's
+its estimate (the text, the depth and the machine's load drift). While plain steps keep winning, each confirming
+probe doubles the wait before the next one (up to ``max_period``), so a drafter that does not pay costs less and less;
+a probe that drafting wins brings the period back to ``period``. Either mode samples from the target's
 distribution, so switching never changes what a request can produce (greedy output is identical token for token);
 only seeded sampled output, which depends on the rounds taken, would differ from run to run, so the engine leaves a
 step with a seeded sampled request out of the guard (it drafts).
@@ -49,6 +51,7 @@ class _Bucket:
     probe_left: int = 0  # probe steps (the other mode) still to run
     off_at: int | None = None  # the bucket's step count when drafting last lost the lead (None: it never did)
     off_rates: tuple[float, float, float] = (0.0, 0.0, 0.0)  # then: round tok/s, plain tok/s, tokens per round
+    period: int = 0  # leader steps until the next probe after this one (doubles while plain steps keep winning)
 
     @property
     def steps(self) -> int:
@@ -58,16 +61,24 @@ class _Bucket:
 @dataclass
 class SpeculationGuard:
     period: int = 32  # leader steps between two probes of the other mode
+    max_period: int = 512  # the longest wait between probes while plain steps keep winning
     probe: int = 2  # steps per probe
     warmup: int = 4  # speculative rounds before the first probe of plain decoding
     alpha: float = 0.3  # EMA weight of the newest step
     buckets: dict[int, _Bucket] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.period < 1 or self.probe < 1 or self.warmup < 0 or not 0.0 < self.alpha <= 1.0:
+        if (
+            self.period < 1
+            or self.max_period < self.period
+            or self.probe < 1
+            or self.warmup < 0
+            or not 0.0 < self.alpha <= 1.0
+        ):
             raise ValueError(
-                f"speculation guard: period={self.period}, probe={self.probe}, warmup={self.warmup}, "
-                f"alpha={self.alpha}; need period >= 1, probe >= 1, warmup >= 0, 0 < alpha <= 1"
+                f"speculation guard: period={self.period}, max_period={self.max_period}, probe={self.probe}, "
+                f"warmup={self.warmup}, alpha={self.alpha}; need period >= 1, max_period >= period, probe >= 1, "
+                "warmup >= 0, 0 < alpha <= 1"
             )
 
     def _bucket(self, batch_size: int) -> _Bucket:
@@ -95,13 +106,17 @@ class SpeculationGuard:
             b.probe_left = self.probe
 
     def _elect(self, b: _Bucket) -> None:
-        """After a probe: the faster measured mode leads for the next ``period`` steps."""
+        """After a probe: the faster measured mode leads until the next probe, ``period`` steps away, or twice as
+        far as last time when plain steps were leading and still are."""
+        kept_plain = False
         if b.draft.steps and b.plain.steps:
             drafted = b.leader_drafts
             b.leader_drafts = b.draft.rate >= b.plain.rate
+            kept_plain = not drafted and not b.leader_drafts
             if drafted and not b.leader_drafts:
                 b.off_at, b.off_rates = b.steps, (b.draft.rate, b.plain.rate, b.draft.tokens)
-        b.until_probe = self.period
+        b.period = min(2 * b.period, self.max_period) if kept_plain else self.period
+        b.until_probe = b.period
 
     def report(self) -> dict[str, dict[str, float | int | bool]]:
         """Per batch-size bucket ('1', '2-3', ...): measured tokens/s of each mode, steps, and who leads."""
@@ -135,6 +150,7 @@ class SpeculationGuard:
                 lines.append(
                     f"{where}: drafting switched off at step {b.off_at}: speculative steps emitted {tokens:.2f} "
                     f"tokens each, {draft:.1f} tok/s, plain steps {plain:.1f} tok/s (a round costs more than its "
-                    f"accepted tokens repay); re-measured {self.probe} rounds every {self.period} steps"
+                    f"accepted tokens repay); re-measured {self.probe} rounds after {b.period} steps, then less often "
+                    f"(up to every {self.max_period}) while plain steps keep winning"
                 )
         return lines
