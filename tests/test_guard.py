@@ -197,3 +197,60 @@ def test_generate_prints_why_drafting_was_switched_off(tmp_path, capsys, monkeyp
     off = json.dumps({"method": "dspark", "model": str(draft_dir), "speculation_guard": False})
     assert main([*argv[:4], "--speculative-config", off, "--max-tokens", "4", "--no-compare"]) == 0
     assert "speculation guard: off (speculation_guard false): every step drafts" in capsys.readouterr().err
+
+
+# ---- a step that does not draft defers the drafter's context projection -------------------------------------------
+
+
+class _EveryThird:
+    """A deterministic guard: drafts on every third decode step (so plain steps keep context rows deferred)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def drafting(self, batch_size: int) -> bool:
+        return self.steps % 3 == 2
+
+    def observe(self, batch_size: int, drafted: bool, tokens: int, seconds: float) -> None:
+        self.steps += 1
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_deferred_drafter_context_writes_what_immediate_injection_writes(caching, monkeypatch):
+    import dspark.engine.runner as runner_mod
+    from dspark.config import CacheConfig
+
+    expected, _ = _greedy(None)
+    monkeypatch.setattr(runner_mod, "DEFER_ROWS", 5)  # a request's fifth kept row flushes every kept row
+
+    def run(defer: bool):
+        torch.manual_seed(0)
+        spec = SpeculativeConfig(method="dspark", num_speculative_tokens=3)
+        cache = CacheConfig(page_size=4, enable_prefix_caching=caching)
+        engine = Engine(*build_tiny_pair(3), spec, EngineConfig(dtype="float32", max_num_seqs=4), cache)
+        engine.guard = _EveryThird()
+        forward, propose = engine.runner.target_forward, engine.runner.propose_draft
+        seen: list[tuple[list[list[int]], torch.Tensor]] = []
+
+        def spy_forward(*a, defer_context=False, **kw):
+            return forward(*a, defer_context=defer_context and defer, **kw)
+
+        def spy_propose(reqs, *a, **kw):
+            proposal = propose(reqs, *a, **kw)  # reads the context rows after flushing the kept ones
+            seen.append((proposal.tokens.tolist(), engine.pools.draft.pool.clone()))
+            return proposal
+
+        engine.runner.target_forward, engine.runner.propose_draft = spy_forward, spy_propose
+        g = torch.Generator().manual_seed(5)
+        prompts = [torch.randint(4, 96, (n,), generator=g).tolist() for n in (5, 17, 30)]
+        params = [SamplingParams(temperature=0.0, max_tokens=m) for m in (24, 16, 20)]
+        got = [o.token_ids for o in LLM.from_engine(engine).generate(prompts, params)]
+        assert engine.runner._deferred == {}  # finished requests leave nothing kept
+        return got, seen
+
+    (got, deferred), (ref, immediate) = run(True), run(False)
+    assert got == ref == expected
+    assert len(deferred) == len(immediate) > 3
+    for (tokens, pool), (ref_tokens, ref_pool) in zip(deferred, immediate):
+        assert tokens == ref_tokens
+        torch.testing.assert_close(pool, ref_pool, rtol=1e-5, atol=1e-5)

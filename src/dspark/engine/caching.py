@@ -91,6 +91,7 @@ class PrefixCaching:
         if last <= first:  # most decode steps: no block completed
             return
         chain = self.cache.extend(req.block_hashes, [*req.all_ids, *pending], last)
+        self.runner.flush_context([req.request_id])  # the drafter's rows of a cached block are final
         self.cache.register(chain, self.blocks.table(req.request_id).pages, first, last)
         block = chain[last - 1]  # the last block completed: a snapshot holds the state after its last row
         if self.snapshots is None or block not in self.cache or not (per_row or last * P == end):

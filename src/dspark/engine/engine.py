@@ -365,7 +365,9 @@ class Engine:
             drafts = proposal.tokens[i, :ell].tolist() if proposal is not None else []
             rows.append([r.all_ids[r.num_computed], *drafts])
         starts = [r.num_computed for r in reqs]
-        return self.runner.target_forward(reqs, starts, rows, last_only=False, per_row_states=True)
+        return self.runner.target_forward(
+            reqs, starts, rows, last_only=False, per_row_states=True, defer_context=proposal is None
+        )
 
     def _accept_and_commit(
         self,

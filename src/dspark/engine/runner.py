@@ -23,6 +23,7 @@ from dspark.spec.propose import Proposal, SamplingTensors, draft_block, ngram_pr
 from dspark.spec.rng import round_counters
 
 KEY_BUCKET = 64  # key counts of a forward are rounded up to a multiple of this (see padded_keys)
+DEFER_ROWS = 64  # deferred drafter-context rows a request may hold before every deferred row is injected
 
 
 def padded_keys(n: int) -> int:
@@ -74,6 +75,8 @@ class ModelRunner:
         self.states = states  # per-request recurrent state slots (targets with a state_spec)
         self.draft_vocab: DraftVocab | None = None  # a reduced draft vocabulary (Engine.restrict_draft_vocab)
         self._pending: SlotStates | None = None  # the last forward's new states, installed by commit_states
+        # drafter context of steps that did not draft, per request: (taps [T, m·Dt], positions [T], slots [T])
+        self._deferred: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
 
     # ---- batch building ------------------------------------------------------------------------------
     def _page_table(self, reqs: Sequence[Request]) -> torch.Tensor:
@@ -129,6 +132,8 @@ class ModelRunner:
         return self._pending.after_row(b, row)
 
     def release_state(self, request_id: str) -> None:
+        """A request gives its pages back (finished or preempted): its state slot and deferred context go."""
+        self.drop_context(request_id)
         if self.states is not None:
             self.states.release(request_id)
 
@@ -141,10 +146,13 @@ class ModelRunner:
         tokens: Sequence[Sequence[int]],
         last_only: bool,
         per_row_states: bool = False,
+        defer_context: bool = False,
     ) -> torch.Tensor:
         """Run the target on new tokens, write its latents, inject drafter context; return fp32 logits
         [B, 1, V] at each request's last new row (last_only) or [B, T, V] at every row. A stateful target's new
-        states wait for ``commit_states`` (per_row_states: keep the state after every row, for verification)."""
+        states wait for ``commit_states`` (per_row_states: keep the state after every row, for verification).
+        ``defer_context``: keep the drafter's context rows (the taps) for ``flush_context`` instead of injecting
+        them now (a step that does not draft; see ``flush_context``)."""
         with scope("step.metadata"):
             batch = self.build(reqs, starts, tokens)
         store = self.pool.view(batch.write_slots, batch.read_slots, valid=batch.visible)
@@ -153,7 +161,9 @@ class ModelRunner:
         extra |= self.tap_args
         with scope("target.forward"):
             out = self.target(batch.ids, batch.positions, batch.mask, store, self.taps, logits_rows=rows, **extra)
-        if self.drafter is not None and out.taps is not None:
+        if self.drafter is not None and out.taps is not None and defer_context:
+            self._defer(reqs, out.taps, batch)
+        elif self.drafter is not None and out.taps is not None:
             assert self.draft_pool is not None
             draft_store = self.draft_pool.view(
                 batch.write_slots, batch.read_slots, self.draft_layer_offset, batch.visible
@@ -162,6 +172,41 @@ class ModelRunner:
                 self.drafter.inject_context(out.taps, batch.positions, draft_store)
         assert out.logits is not None
         return out.logits
+
+    # ---- deferred drafter context -------------------------------------------------------------------------
+    def _defer(self, reqs: Sequence[Request], taps: torch.Tensor, batch: Batch) -> None:
+        """Keep each request's new context rows for a later batched injection. A rerun of the same positions (a
+        step retried after an error) replaces the rows it had kept from there on."""
+        for b, (req, n) in enumerate(zip(reqs, batch.lengths.tolist())):
+            rows = self._deferred.setdefault(req.request_id, [])
+            start = int(batch.positions[b, 0])
+            while rows and int(rows[-1][1][0]) >= start:
+                rows.pop()
+            rows.append((taps[b, :n], batch.positions[b, :n], batch.write_slots[b, :n]))
+            if len(rows) >= DEFER_ROWS:
+                self.flush_context()
+
+    def flush_context(self, request_ids: Sequence[str] | None = None) -> None:
+        """Inject the deferred drafter context of ``request_ids`` (None: of every request) in one drafter pass.
+
+        A step that does not draft (the speculation guard or ``disable_by_batch_size`` turned drafting off) still
+        taps the target, but the drafter's per-layer context projection, a pass of small products per step, waits
+        here: it runs over all kept rows at once before the next draft reads them, before a cached block holding
+        them is registered or exported, or once a request has kept ``DEFER_ROWS`` rows. The rows written are the
+        ones an immediate injection writes (row by row the same products; only the accumulation order of a batched
+        product may differ in the last bit)."""
+        ids = list(self._deferred) if request_ids is None else [r for r in request_ids if r in self._deferred]
+        rows = [row for rid in ids for row in self._deferred.pop(rid)]
+        if not rows:
+            return
+        assert self.drafter is not None and self.draft_pool is not None
+        taps, positions, slots = (torch.cat(part)[None] for part in zip(*rows))
+        store = self.draft_pool.view(slots, slots[:, :0], self.draft_layer_offset)
+        with torch.inference_mode(), scope("draft.context"):
+            self.drafter.inject_context(taps, positions, store)
+
+    def drop_context(self, request_id: str) -> None:
+        self._deferred.pop(request_id, None)
 
     @torch.inference_mode()
     def propose_draft(
@@ -175,6 +220,7 @@ class ModelRunner:
         """One drafter block per request; with a draft window the drafter reads only its last ``draft_window``
         context rows (the target still attends to all of them)."""
         assert self.drafter is not None
+        self.flush_context()
         with scope("step.metadata"):
             starts = [r.num_computed for r in reqs]
             anchors = torch.tensor([r.all_ids[s] for r, s in zip(reqs, starts)], dtype=torch.long)

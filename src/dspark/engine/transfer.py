@@ -93,6 +93,7 @@ def export_request(engine: Engine, req: Request, params: SamplingParams | None =
                 f"request {req.request_id!r} is not prefilled ({req.num_computed} of {req.num_tokens - 1} positions "
                 "computed, no first token yet): step the engine until it finishes"
             )
+        engine.runner.flush_context([req.request_id])
         header, parts = _collect(engine, req, params or req.params)
     finally:
         if release:
