@@ -95,13 +95,32 @@ def _bundled_target(draft: Path | None) -> Path | None:
     return target
 
 
+def _shipped_drafter(model: Path | None, ref: str) -> Path | None:
+    """The DSpark drafter shipped for a target given as DRAFT (a bundled target such as kimi-k3-mini, or an alias
+    such as smollm2-135m-instruct), so ``dspark check TARGET`` checks the pair it serves; None for anything else."""
+    from dspark.checkpoint.resolve import shipped_drafts
+
+    shipped = shipped_drafts(model) if model is not None and model.is_dir() else None
+    if shipped is None or not (shipped[0] / "config.json").is_file():
+        return None
+    print(
+        f"{ref} is a target with a shipped drafter: checking {shipped[0].name} with it (pass a drafter as DRAFT and "
+        f"--target {ref} to check another)",
+        file=sys.stderr,
+    )
+    return shipped[0]
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from dspark.doctor import CheckReport, format_report, report_json, run_checks
     from dspark.models.spec import one_read_per_model
 
     problems: list[CheckProblem] = []
     draft = _resolve_for_check(args.draft_dir, "check DRAFT", problems)
-    if args.target is not None:
+    drafter = _shipped_drafter(draft, args.draft_dir) if args.target is None else None
+    if drafter is not None:
+        draft, target = drafter, draft
+    elif args.target is not None:
         target = _resolve_for_check(args.target, "check --target", problems)
     else:
         target = _bundled_target(draft)
@@ -148,7 +167,8 @@ def add_check(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "draft_dir",
         metavar="DRAFT",
-        help="draft model dir, bundled drafter name (e.g. kimi-k3-mini-dspark) or hub id org/name[@rev] (local caches)",
+        help="draft model dir, bundled drafter name (e.g. kimi-k3-mini-dspark) or hub id org/name[@rev] (local "
+        "caches); a target with a shipped drafter (kimi-k3-mini, k3-mini, smollm2-135m-instruct) checks that pair",
     )
     p.add_argument(
         "--target",
@@ -183,6 +203,7 @@ def cmd_train_target(args: argparse.Namespace) -> int:
         arch = {"architecture": default.architecture} if args.kimi_k3_mini else {}
         cfg = tiny_pretrain_config(data_dir, out_dir, **arch)
     else:
+        _require_pretrain_data(data_dir)
         cfg = replace(default, data_dir=data_dir, out_dir=out_dir)
     overrides = {
         k: getattr(args, k)
@@ -207,6 +228,22 @@ def cmd_train_target(args: argparse.Namespace) -> int:
 
 
 TINY_DATA_DIR = "runs/data/tiny"  # what `train-target --tiny` trains on unless --data-dir is given
+PRETRAIN_DATA_FILES = ("train.npy", "validation.npy")  # what dspark.train.tokenizer writes and train-target reads
+
+
+def _require_pretrain_data(data_dir: str) -> None:
+    """Refuse, before anything loads, a data dir the tokenizer step has not written (a fresh clone has no runs/),
+    naming the two commands that build it and the seconds-long --tiny run that needs none."""
+    missing = [f for f in PRETRAIN_DATA_FILES if not (Path(data_dir) / f).is_file()]
+    if not missing:
+        return
+    corpus = "runs/data/corpus"
+    raise ConfigError(
+        f"{data_dir} has no {' / '.join(missing)} (the tokenized corpus); build it with "
+        f"`python -m dspark.train.corpus {corpus}` then `python -m dspark.train.tokenizer {corpus} {data_dir} "
+        "--vocab-size 8192` (docs/training.md, steps 1-2), pass --data-dir DIR, or try `dspark train-target --tiny`, "
+        "a seconds-long run that builds its own small data"
+    )
 
 
 def _tiny_data(data_dir: str) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 
 from dspark.checkpoint.io import CheckpointError, Problem, TensorInfo, is_lfs_pointer, list_checkpoint_tensors
 from dspark.checkpoint.roster import TensorSpec
-from dspark.config import RANDOM_WEIGHTS_KEY, ConfigError, DraftConfig
+from dspark.config import DRAFT_ARCHITECTURES, RANDOM_WEIGHTS_KEY, ConfigError, DraftConfig
 from dspark.models.families import Family
 from dspark.models.spec import ConfigFileError, ModelSpec, model_spec
 
@@ -231,10 +231,31 @@ class Context:
         raw = self.draft_config_read[0]
         if raw is None:
             return None, None
+        target_archs = self.draft_target_architectures
+        if target_archs:
+            where = self.draft_dir / "config.json"
+            return None, Problem(
+                f"{where}: architectures {target_archs} is a target model's config, not a DSpark drafter's "
+                f"(expected one of {list(DRAFT_ARCHITECTURES)})",
+                f"pass the drafter as DRAFT and this model as the target: dspark check DRAFT --target {self.draft_dir}",
+            )
         try:
             return DraftConfig.from_dict(roster_view(raw), source=str(self.draft_dir / "config.json")), None
         except (ConfigError, TypeError, ValueError) as e:
             return None, Problem(str(e), "fix config.json (compare with the official k3_dspark config)")
+
+    @cached_property
+    def draft_target_architectures(self) -> list[str]:
+        """The draft's ``architectures`` when they name a target model (e.g. ``LlamaForCausalLM``: a target given
+        as DRAFT), else [] (a drafter, or a config too broken to tell: draft-config says what is wrong)."""
+        raw = self.draft_config_read[0]
+        archs = raw.get("architectures") if raw is not None else None
+        if not isinstance(archs, list) or not archs or any(a in DRAFT_ARCHITECTURES for a in archs):
+            return []
+        spec = self.draft_spec.spec
+        known_family = spec is not None and spec.family is not None
+        causal_lm = all(isinstance(a, str) and a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in archs)
+        return archs if known_family or causal_lm else []
 
     @cached_property
     def draft_scan(self) -> Scan:
@@ -275,6 +296,8 @@ class Context:
         raw = self.draft_config_read[0]
         if raw is None:
             raise Skip("the draft config.json is unusable: see draft-config")
+        if self.draft_target_architectures:
+            raise Skip("DRAFT is a target model: see draft-config")
         return raw
 
     def cfg(self) -> DraftConfig:

@@ -169,7 +169,6 @@ def check_hidden_size(ctx: Context) -> list[Problem]:
     ]
 
 
-
 def _head_presence(ctx: Context, prefix: str) -> tuple[list[str], list[str]]:
     """(expected names missing from the checkpoint, checkpoint names with this prefix)."""
     found = ctx.tensors()
@@ -227,7 +226,6 @@ def check_markov_head(ctx: Context) -> list[Problem]:
     return []
 
 
-
 def _latent_width(d: Mapping[str, Any], gqa: bool) -> int | None:
     """Values cached per token per layer: MLA kv_lora_rank + qk_rope_head_dim; GQA [k | v] = 2·kvH·head_dim."""
     if gqa:
@@ -268,4 +266,3 @@ def kv_note(ctx: Context) -> str | None:
         f"draft KV cache: {layers} layers x {width} values x 2 B (bf16) = {layers * width * 2:,} B per token, "
         "in the target's pages (one block table per request)"
     )
-

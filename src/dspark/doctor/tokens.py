@@ -159,4 +159,3 @@ def _tokenizer_id_problems(
                     )
                 )
     return problems
-

@@ -285,7 +285,6 @@ def check_embedding(ctx: Context) -> list[Problem]:
     ]
 
 
-
 def _scan_values(file: str, name: str, info: TensorInfo) -> Problem | None:
     """Read one floating tensor in row chunks; report NaN/Inf, or finite values that overflow in bf16."""
     nan = inf = overflow = 0
@@ -337,7 +336,6 @@ def check_bf16(ctx: Context) -> list[Problem]:
                 if p is not None:
                     problems.append(p)
     return problems
-
 
 
 def _native_roster(ctx: Context, family: Family, found: Mapping[str, TensorInfo]) -> dict[str, TensorSpec]:
@@ -434,4 +432,3 @@ def check_dtype(ctx: Context) -> list[Problem]:
         if scan is not None and not scan.problems:
             problems += _dtype_problems(raw, scan.infos, who or str(scan.path))
     return problems
-

@@ -9,7 +9,15 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from dspark.cli_common import add_kv_offload_args, add_precision_args, add_prefix_caching_arg, kv_offload_kwargs
+from dspark.cli_common import (
+    add_kv_offload_args,
+    add_precision_args,
+    add_prefix_caching_arg,
+    add_threads_arg,
+    apply_threads,
+    json_object,
+    kv_offload_kwargs,
+)
 from dspark.config import ConfigError, EngineConfig
 from dspark.serve.config import ROLES, ServerConfig
 
@@ -84,6 +92,7 @@ def _engine(args: argparse.Namespace) -> Engine:
         if args.model is not None and args.model_positional != args.model:
             raise ConfigError(f"serve: MODEL {args.model_positional!r} and --model {args.model!r} differ; give one")
         args.model = args.model_positional
+    apply_threads(args)
     model, demo = model_or_demo(args.model)
     spec = default_spec(args, model if demo else None)
     return build_engine(
@@ -119,7 +128,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(as `vllm serve MODEL`; default: the bundled kimi-k3-mini pair; k3-mini for the DeepSeek-V3-shaped one)",
     )
     p.add_argument("--model", default=None, help="the same as MODEL (kept for scripts)")
-    p.add_argument("--speculative-config", default=None, help='vLLM-style JSON or @file, e.g. \'{"method": "dspark"}\'')
+    p.add_argument(
+        "--speculative-config",
+        type=json_object,
+        default=None,
+        help='vLLM-style JSON or @file, e.g. \'{"method": "dspark"}\'; "model" takes a drafter dir, a bundled drafter '
+        "name (kimi-k3-mini-dspark, ...) or a hub id",
+    )
     p.add_argument("--no-spec", action="store_true", help="serve without speculative decoding")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
     p.add_argument("--port", type=int, default=8000)
@@ -145,6 +160,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_prefix_caching_arg(p)
     add_kv_offload_args(p)
     add_precision_args(p)
+    add_threads_arg(p)
     p.add_argument(
         "--attention-backend",
         default=None,
