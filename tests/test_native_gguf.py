@@ -120,3 +120,47 @@ def test_a_changed_gguf_is_no_longer_a_source(export, tmp_path):
     rec = (export / SOURCE_FILE).read_text()
     (copy / SOURCE_FILE).write_text(rec.replace(str(src.stat().st_size), str(src.stat().st_size + 1)))
     assert gguf_source(copy) is None
+
+
+@needs_native
+def test_a_gguf_layer_runs_as_one_native_call_and_speculation_still_decodes_the_plain_tokens(export, monkeypatch):
+    """Decode steps and verifications of a layer whose q|k|v and gate|up are grouped run ``gqa_layer`` (layer 0);
+    a layer with mixed q/k/v block types keeps the modules (layer 1). The native layer's tokens equal the modules'
+    and, since every row is computed alone, n-gram speculation (8-row verifications) decodes the plain tokens."""
+    import dspark.models.llama as llama
+    from dspark.config import EngineConfig, SpeculativeConfig
+    from dspark.engine.engine import Engine
+    from dspark.llm import LLM
+    from dspark.sampling_params import SamplingParams
+
+    model = load_target(export, "float32", quantization="gguf")
+    calls: list[tuple[int, int, bool]] = []
+    native_forward = llama.DecoderLayer.native_forward
+
+    def spy(self, h, *args):
+        out = native_forward(self, h, *args)
+        calls.append((self.self_attn.layer_idx, h.shape[1], out is not None))
+        return out
+
+    monkeypatch.setattr(llama.DecoderLayer, "native_forward", spy)
+    g = torch.Generator().manual_seed(3)
+    motif = torch.randint(0, VOCAB_SIZE, (6,), generator=g).tolist()
+    prompts = [motif * 4, torch.randint(0, VOCAB_SIZE, (21,), generator=g).tolist()]  # n-gram drafts on the first
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def greedy(spec=None, rows=llama.NATIVE_LAYER_ROWS):
+        monkeypatch.setattr(llama, "NATIVE_LAYER_ROWS", rows)
+        engine = Engine(model, None, spec, EngineConfig(dtype="float32", max_num_seqs=4))
+        return [o.token_ids for o in LLM.from_engine(engine).generate(prompts, params)]
+
+    modules = greedy(rows=0)
+    assert not any(fused for *_, fused in calls)
+    calls.clear()
+    plain = greedy()
+    assert {(layer, fused) for layer, t, fused in calls if t == 1} == {(0, True), (1, False)}
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=7, prompt_lookup_max=3, speculation_guard=False)
+    calls.clear()
+    speculative = greedy(ngram)
+    assert any(layer == 0 and t == 8 and fused for layer, t, fused in calls)  # a whole verification in one call
+    assert plain == modules and speculative == plain
+    assert model.model.layers[0].native_weights() is not None and model.model.layers[1].native_weights() is None

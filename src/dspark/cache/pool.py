@@ -51,6 +51,11 @@ class BatchStore:
             return plane[None, self.read_start : self.read_start + self.read_slots.shape[1]]
         return plane[self.read_slots]
 
+    def plane_and_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For a native layer that writes and reads the pool itself: (the plane of ``layer`` [N_slots, W], the
+        write slot of every new row [B·T], the read slots [B, S])."""
+        return self.pool[self.layer_offset + layer], self._flat_writes, self.read_slots
+
     def paged_attention(
         self, layer: int, q: torch.Tensor, bias: torch.Tensor, n_kv: int, v_off: int, scale: float
     ) -> torch.Tensor | None:

@@ -34,9 +34,11 @@ from dspark.models.layers import (
 )
 from dspark.models.packing import Linear, Packable, PackedWeight, packed_linear
 from dspark.models.protocol import CacheView, PageFormat, TargetOutput, head_output
-from dspark.models.quantized import QuantGroup, QuantLinear
+from dspark.models.quantized import DENSE_ROWS, QTYPES, QuantGroup, QuantLinear
 from dspark.models.rope import apply_rope_half, half_rotation_tables
 from dspark.profiling import scope
+
+NATIVE_LAYER_ROWS = 16  # rows per sequence up to which a GGUF layer runs as one native call (decode, verify)
 
 
 class GQAttention(nn.Module, Packable):
@@ -146,7 +148,6 @@ class GQAttention(nn.Module, Packable):
                 out = grouped_sdpa(q, k.transpose(1, 2), v.transpose(1, 2), bias, self.scale)
             return self.o_proj(out.transpose(1, 2).flatten(2))
 
-
     def decode_in_place(self, q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor, cache: CacheView):
         """One-token decode in reduced precision: write the new rows, then the native kernel reads keys and values
         where they lie in the pool (no gathered copy); None where the cache or the kernels cannot (the caller's
@@ -171,6 +172,9 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)  # Llama's MLP
 
     def forward(self, h, cos2, sin2, mask, cache: CacheView | None) -> torch.Tensor:
+        fused = self.native_forward(h, cos2, sin2, mask, cache)
+        if fused is not None:
+            return fused
         with scope("norm"):
             x = self.input_layernorm(h)
         a = self.self_attn(x, cos2, sin2, mask, cache)
@@ -178,6 +182,60 @@ class DecoderLayer(nn.Module):
             x, h = self.post_attention_layernorm.add_forward(a, h)  # h + a, then its norm
         with scope("mlp"):
             return h + self.mlp(x)
+
+    def native_forward(self, h, cos2, sin2, mask, cache: CacheView | None) -> torch.Tensor | None:
+        """The whole layer as one native call (``gqa_layer``, dspark/native/layer.cpp) where it applies: fp32
+        inference over GGUF blocks (q|k|v and gate|up grouped, o and down quantized, the native norms), a paged
+        fp32 cache, up to ``NATIVE_LAYER_ROWS`` rows per sequence and ``DENSE_ROWS`` in all. A decode step and a
+        verification both take it, row by row the same arithmetic, so speculative output equals plain decoding;
+        None elsewhere (the modules below run)."""
+        B, T, _ = h.shape
+        if T > NATIVE_LAYER_ROWS or B * T > DENSE_ROWS or h.dtype != torch.float32 or mask is CAUSAL:
+            return None
+        plane_of = getattr(cache, "plane_and_slots", None)
+        ops = native.ops()
+        if plane_of is None or ops is None or torch.is_grad_enabled() or not hasattr(ops, "gqa_layer"):
+            return None
+        weights = self.native_weights()
+        plane, writes, slots = plane_of(self.self_attn.layer_idx)
+        bias = mask[:, 0]
+        if weights is None or plane.dtype != torch.float32 or bias.dtype != torch.float32 or not h.is_contiguous():
+            return None
+        qkv, o, gate_up, down = weights
+        attn = self.self_attn
+        with scope("layer"):
+            return ops.gqa_layer(
+                h, self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
+                *_blocks(qkv), *_blocks(o), *_blocks(gate_up), *_blocks(down),
+                cos2, sin2, plane, writes, slots, bias.contiguous(),
+                attn.num_heads, attn.num_kv, attn.head_dim, attn.scale, qkv.int8,
+            )  # fmt: skip
+
+    def native_weights(self) -> tuple[QuantLinear, QuantLinear, QuantLinear, QuantLinear] | None:
+        """(q|k|v, o, gate|up, down) as block products while the layer still holds exactly those modules, else
+        None (dense weights, unfused or mixed block types, per-head q/k norms, another activation)."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv, gate_up = attn.__dict__.get("_qkv_quant"), mlp.__dict__.get("_gate_up_quant")
+        o, down = attn.o_proj, mlp.down_proj
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        if (
+            qkv is None
+            or gate_up is None
+            or not isinstance(o, QuantLinear)
+            or not isinstance(down, QuantLinear)
+            or attn.q_norm is not None
+            or type(mlp).activate is not SwiGLU.activate
+            or not all(n.__dict__.get("_native") and n.eps == norms[0].eps for n in norms)
+            or not qkv.holds((attn.q_proj, attn.k_proj, attn.v_proj))
+            or not gate_up.holds((mlp.gate_proj, mlp.up_proj))
+            or len({qkv.fused.int8, o.int8, gate_up.fused.int8, down.int8}) != 1
+        ):
+            return None
+        return qkv.fused, o, gate_up.fused, down
+
+
+def _blocks(lin: QuantLinear) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    return lin.qweight.blocks, QTYPES[lin.qweight.qtype], lin.bias_f32
 
 
 class LlamaTarget(DecoderTarget):
