@@ -50,6 +50,17 @@ def test_a_probe_that_drafting_wins_brings_the_period_back():
     assert tail.count("p") >= 40 // 5 - 1  # plain decoding is probed every 4 rounds again
 
 
+def test_drafting_takes_the_lead_back_only_by_the_margin():
+    guard = SpeculationGuard(period=4, probe=1, warmup=1, max_period=8, alpha=1.0, margin=0.1)
+    _drive(guard, 20, draft_rate=10, plain_rate=20)  # plain leads
+    near_tie = _drive(guard, 60, draft_rate=21, plain_rate=20)  # rounds 5 % faster: not worth leaving plain for
+    assert near_tie.count(True) <= 60 // 4 and guard.drafting(1) is False
+    clear = _drive(guard, 60, draft_rate=25, plain_rate=20)  # 25 % faster: drafting leads again
+    assert clear[-10:].count(True) >= 8
+    with pytest.raises(ValueError, match="margin"):
+        SpeculationGuard(margin=-0.1)
+
+
 def test_guard_keeps_drafting_when_rounds_pay_and_decides_per_batch_size():
     guard = SpeculationGuard(period=10, probe=2, warmup=3)
     fast = _drive(guard, 60, draft_rate=5, plain_rate=1, batch=1)

@@ -8,7 +8,8 @@ per second of speculative rounds and of plain steps (exponential moving averages
 the faster mode lead, and every ``period`` steps of the leader runs ``probe`` steps of the other mode to refresh
 its estimate (the text, the depth and the machine's load drift). While plain steps keep winning, each confirming
 probe doubles the wait before the next one (up to ``max_period``), so a drafter that does not pay costs less and less;
-a probe that drafting wins brings the period back to ``period``. Either mode samples from the target's
+a probe that drafting wins (by ``margin``: a lucky probe of two rounds must not buy ``period`` losing ones) brings the
+period back to ``period``. Either mode samples from the target's
 distribution, so switching never changes what a request can produce (greedy output is identical token for token);
 only seeded sampled output, which depends on the rounds taken, would differ from run to run, so the engine leaves a
 step with a seeded sampled request out of the guard (it drafts).
@@ -65,6 +66,8 @@ class SpeculationGuard:
     probe: int = 2  # steps per probe
     warmup: int = 4  # speculative rounds before the first probe of plain decoding
     alpha: float = 0.3  # EMA weight of the newest step
+    margin: float = 0.1  # drafting takes the lead back from plain steps only when this much faster (a lucky probe
+    # of a few rounds must not buy ``period`` rounds that lose; plain decoding is the safe side of a near-tie)
     buckets: dict[int, _Bucket] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -74,11 +77,12 @@ class SpeculationGuard:
             or self.probe < 1
             or self.warmup < 0
             or not 0.0 < self.alpha <= 1.0
+            or self.margin < 0.0
         ):
             raise ValueError(
                 f"speculation guard: period={self.period}, max_period={self.max_period}, probe={self.probe}, "
-                f"warmup={self.warmup}, alpha={self.alpha}; need period >= 1, max_period >= period, probe >= 1, "
-                "warmup >= 0, 0 < alpha <= 1"
+                f"warmup={self.warmup}, alpha={self.alpha}, margin={self.margin}; need period >= 1, max_period >= "
+                "period, probe >= 1, warmup >= 0, 0 < alpha <= 1, margin >= 0"
             )
 
     def _bucket(self, batch_size: int) -> _Bucket:
@@ -111,7 +115,7 @@ class SpeculationGuard:
         kept_plain = False
         if b.draft.steps and b.plain.steps:
             drafted = b.leader_drafts
-            b.leader_drafts = b.draft.rate >= b.plain.rate
+            b.leader_drafts = b.draft.rate >= b.plain.rate * (1.0 if drafted else 1.0 + self.margin)
             kept_plain = not drafted and not b.leader_drafts
             if drafted and not b.leader_drafts:
                 b.off_at, b.off_rates = b.steps, (b.draft.rate, b.plain.rate, b.draft.tokens)
