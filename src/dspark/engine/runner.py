@@ -75,8 +75,9 @@ class ModelRunner:
         self.states = states  # per-request recurrent state slots (targets with a state_spec)
         self.draft_vocab: DraftVocab | None = None  # a reduced draft vocabulary (Engine.restrict_draft_vocab)
         self._pending: SlotStates | None = None  # the last forward's new states, installed by commit_states
-        # drafter context of steps that did not draft, per request: (taps [T, m·Dt], positions [T], slots [T])
-        self._deferred: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        # drafter context of steps that did not draft, per request: (first position, taps [T, m·Dt], positions [T],
+        # slots [T])
+        self._deferred: dict[str, list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
 
     # ---- batch building ------------------------------------------------------------------------------
     def _page_table(self, reqs: Sequence[Request]) -> torch.Tensor:
@@ -162,7 +163,7 @@ class ModelRunner:
         with scope("target.forward"):
             out = self.target(batch.ids, batch.positions, batch.mask, store, self.taps, logits_rows=rows, **extra)
         if self.drafter is not None and out.taps is not None and defer_context:
-            self._defer(reqs, out.taps, batch)
+            self._defer(reqs, starts, out.taps, batch)
         elif self.drafter is not None and out.taps is not None:
             assert self.draft_pool is not None
             draft_store = self.draft_pool.view(
@@ -174,15 +175,14 @@ class ModelRunner:
         return out.logits
 
     # ---- deferred drafter context -------------------------------------------------------------------------
-    def _defer(self, reqs: Sequence[Request], taps: torch.Tensor, batch: Batch) -> None:
+    def _defer(self, reqs: Sequence[Request], starts: Sequence[int], taps: torch.Tensor, batch: Batch) -> None:
         """Keep each request's new context rows for a later batched injection. A rerun of the same positions (a
         step retried after an error) replaces the rows it had kept from there on."""
-        for b, (req, n) in enumerate(zip(reqs, batch.lengths.tolist())):
+        for b, (req, start, n) in enumerate(zip(reqs, starts, batch.lengths.tolist())):
             rows = self._deferred.setdefault(req.request_id, [])
-            start = int(batch.positions[b, 0])
-            while rows and int(rows[-1][1][0]) >= start:
+            while rows and rows[-1][0] >= start:
                 rows.pop()
-            rows.append((taps[b, :n], batch.positions[b, :n], batch.write_slots[b, :n]))
+            rows.append((start, taps[b, :n], batch.positions[b, :n], batch.write_slots[b, :n]))
             if len(rows) >= DEFER_ROWS:
                 self.flush_context()
 
@@ -200,7 +200,8 @@ class ModelRunner:
         if not rows:
             return
         assert self.drafter is not None and self.draft_pool is not None
-        taps, positions, slots = (torch.cat(part)[None] for part in zip(*rows))
+        _, *parts = zip(*rows)
+        taps, positions, slots = (torch.cat(part)[None] for part in parts)
         store = self.draft_pool.view(slots, slots[:, :0], self.draft_layer_offset)
         with torch.inference_mode(), scope("draft.context"):
             self.drafter.inject_context(taps, positions, store)

@@ -197,9 +197,11 @@ class DecoderLayer(nn.Module):
         if plane_of is None or ops is None or torch.is_grad_enabled() or not hasattr(ops, "gqa_layer"):
             return None
         weights = self.native_weights()
+        if weights is None or not h.is_contiguous():
+            return None
         plane, writes, slots = plane_of(self.self_attn.layer_idx)
         bias = mask[:, 0]
-        if weights is None or plane.dtype != torch.float32 or bias.dtype != torch.float32 or not h.is_contiguous():
+        if plane.dtype != torch.float32 or bias.dtype != torch.float32:
             return None
         qkv, o, gate_up, down = weights
         attn = self.self_attn
