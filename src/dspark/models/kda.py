@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark import native
 from dspark.config import KDAConfig
 from dspark.models.layers import blocks_of, fuse_rows, remembered_link, weights_of
 from dspark.models.packing import Linear, Packable, PackedWeight, packed_linear, version_of
@@ -152,6 +153,9 @@ def kda_chunked(
 
 
 # ---- the layer ------------------------------------------------------------------------------------------
+
+
+NATIVE_ROWS = 16  # rows per sequence up to which a forward runs the native recurrent form (decode, verification)
 
 
 class GatedHeadNorm(nn.Module):
@@ -288,6 +292,8 @@ class KimiDeltaAttention(nn.Module, Packable):
         H, Dk = cfg.num_heads, cfg.head_dim
         lengths = torch.full((B,), T, dtype=torch.long, device=x.device) if lengths is None else lengths
         flat = store.read(self.layer_idx) if store is not None else None
+        if T <= NATIVE_ROWS and cfg.decode_recurrent and not torch.is_grad_enabled() and native.ops() is not None:
+            return self._native_rows(x, flat, store, lengths)
         prev = self.empty_state(B, x.device) if flat is None else KDAState.unpack(flat, cfg, x.dtype)
         z, fa, ga, b = self.project(x)
         mixed, tail, window = self.short_conv(z, prev.conv, lengths)
@@ -313,3 +319,22 @@ class KimiDeltaAttention(nn.Module, Packable):
         gate = self.g_b_proj(ga).view(B, T, H, Dk)
         out = self.o_norm(o.transpose(1, 2).to(x.dtype), gate)
         return self.o_proj(out.reshape(B, T, H * Dk))
+
+    def _native_rows(
+        self, x: torch.Tensor, flat: torch.Tensor | None, store: StateStore | None, lengths: torch.Tensor
+    ) -> torch.Tensor:
+        """A few rows per sequence through ``kda_rows`` (dspark/native/kda.cpp): the recurrent form, from the input
+        projections to o_proj, as one native call (the module's operations and roundings, sums in another order).
+        A verification's rows then equal the decode steps' rows bit for bit."""
+        cfg = self.cfg
+        keep = store is not None and store.keep_per_row
+        z, fa, ga, b = self.project(x)
+        state = flat if flat is not None else x.new_empty(0, dtype=torch.float32)
+        o, final, rows = native.ops().kda_rows(
+            z, fa, ga, b, state, lengths, self.conv_weight(), self.f_b_proj.weight, self.dt_bias, self.A_log,
+            self.g_b_proj.weight, self.o_norm.weight, cfg.num_heads, cfg.head_dim, cfg.gate_lower_bound,
+            self.o_norm.eps, keep,
+        )  # fmt: skip
+        if store is not None:
+            store.write(self.layer_idx, final, rows if keep else None)
+        return self.o_proj(o)

@@ -1,5 +1,5 @@
-"""dspark's native CPU kernels (``kernels.cpp``, ``elementwise.cpp``, ``attention.cpp``, ``layer.cpp``), compiled on
-first use for the running machine.
+"""dspark's native CPU kernels (every ``.cpp`` of this folder: ``kernels.cpp``, ``elementwise.cpp``,
+``attention.cpp``, ``layer.cpp``, ...), compiled on first use for the running machine.
 
 The source is built with the machine's C++ compiler through ``torch.utils.cpp_extension`` (``-O3 -march=native
 -ffp-contract=off``, OpenMP through torch's own runtime, so ``torch.set_num_threads`` applies) into
@@ -50,9 +50,9 @@ ENV = "DSPARK_NATIVE"  # "0" turns the native kernels off
 MARCH_ENV = "DSPARK_NATIVE_MARCH"  # another -march (haswell: the AVX2 path, x86-64: scalar), to test the other paths
 NAME = "dspark_native"  # the library name and the torch.ops namespace (TORCH_LIBRARY in kernels.cpp)
 SOURCE = Path(__file__).resolve().parent / "kernels.cpp"
-# one library
-SOURCES = tuple(SOURCE.with_name(n) for n in ("kernels.cpp", "elementwise.cpp", "attention.cpp", "layer.cpp"))
-HEADERS = (SOURCE.with_name("quant_blocks.h"),)  # hashed into the build key with the sources
+# one library: every .cpp of this folder (kernels.cpp defines the op namespace, the others add fragments to it)
+SOURCES = (SOURCE, *sorted(p for p in SOURCE.parent.glob("*.cpp") if p != SOURCE))
+HEADERS = tuple(sorted(SOURCE.parent.glob("*.h")))  # hashed into the build key with the sources
 LDFLAGS = ("-fopenmp",)
 
 

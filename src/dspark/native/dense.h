@@ -1,0 +1,195 @@
+// Shared by the native layers of the dense (MLA, KDA, MoE) targets: weight rows stored fp32, bf16 or fp16 against
+// fp32 activation rows, and the storage roundings torch applies between ops.
+//
+// dense_rows(W, x, M, y): y[m, n] = Σ_k x[m, k]·W[n, k] in fp32 (every product exact: a bf16/fp16 weight widens
+// exactly), accumulated per output in one fixed order (lane vectors over k, then a fixed reduction tree), so a row's
+// result does not depend on how many rows share the call: a decode step and a verification agree bit for bit.
+// Against torch's GEMM the sums differ only in their order. round_as(v, dtype) rounds v to the dtype a torch tensor
+// would hold it in (nearest even, as torch's conversions) and widens it back: the native layers round where the
+// module path's intermediate tensors are bf16/fp16, so the two paths agree within the order of the sums.
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "quant_blocks.h"
+
+namespace {
+
+enum class WType : int { F32 = 0, BF16 = 1, F16 = 2 };
+
+struct DenseW {
+  const void* p = nullptr;  // [N, K] row-major, contiguous
+  WType t = WType::F32;
+  int64_t N = 0, K = 0;
+};
+
+inline WType wtype_of(const at::Tensor& t, const char* what) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return WType::F32;
+    case at::kBFloat16: return WType::BF16;
+    case at::kHalf: return WType::F16;
+    default: TORCH_CHECK(false, what, ": weights must be float32, bfloat16 or float16, got ", t.scalar_type());
+  }
+}
+
+// A contiguous 2-D weight [N, K] (K = in_features) as rows for dense_rows.
+inline DenseW dense_of(const at::Tensor& w, const char* what) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), what, ": weight must be a contiguous CPU [N, K],",
+              " got ", w.sizes());
+  return DenseW{w.data_ptr(), wtype_of(w, what), w.size(0), w.size(1)};
+}
+
+inline float bf16_to_f(uint16_t h) {
+  const uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f_to_bf16(float f) {  // round to nearest even; NaN stays NaN (torch's c10::BFloat16 conversion)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (std::isnan(f)) return 0x7FC0;
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float f16_to_f(uint16_t h) {
+  uint8_t b[2];
+  std::memcpy(b, &h, 2);
+  return h2f(b);
+}
+
+inline uint16_t f_to_f16(float f) {  // round to nearest even
+#if defined(__F16C__)
+  return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const uint32_t ax = x & 0x7FFFFFFFu;
+  if (ax >= 0x7F800000u) return static_cast<uint16_t>(sign | 0x7C00u | (ax > 0x7F800000u ? 0x200u : 0u));
+  if (ax >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // rounds to infinity
+  if (ax < 0x38800000u) {                                              // subnormal half (or zero)
+    const float v = std::fabs(f) * 16777216.0f;                       // in units of 2^-24
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(v)));
+  }
+  const uint32_t r = ax + 0xC8000FFFu + ((ax >> 13) & 1u);  // rebias (−112 << 23) and round to nearest even
+  return static_cast<uint16_t>(sign | (r >> 13));
+#endif
+}
+
+// v as the dtype would store it, widened back to fp32 (F32: v itself)
+inline float round_as(float v, WType t) {
+  if (t == WType::BF16) return bf16_to_f(f_to_bf16(v));
+  if (t == WType::F16) return f16_to_f(f_to_f16(v));
+  return v;
+}
+
+inline void round_all(float* v, int64_t n, WType t) {
+  if (t == WType::F32) return;
+  for (int64_t i = 0; i < n; ++i) v[i] = round_as(v[i], t);
+}
+
+// row[k] of a weight as fp32 (exact)
+inline float weight_at(const DenseW& W, int64_t n, int64_t k) {
+  const int64_t i = n * W.K + k;
+  if (W.t == WType::F32) return static_cast<const float*>(W.p)[i];
+  const uint16_t h = static_cast<const uint16_t*>(W.p)[i];
+  return W.t == WType::BF16 ? bf16_to_f(h) : f16_to_f(h);
+}
+
+// Σ_k x[k]·w[k] over one weight row, in a fixed order
+template <WType T>
+inline float dot_row(const void* wrow, const float* x, int64_t K) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  __m512 acc = _mm512_setzero_ps();
+  int64_t k = 0;
+  auto load = [&](int64_t at, __mmask16 m) -> __m512 {
+    if constexpr (T == WType::F32) {
+      return _mm512_maskz_loadu_ps(m, static_cast<const float*>(wrow) + at);
+    } else {
+      const __m256i h = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(wrow) + at);
+      if constexpr (T == WType::BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      return _mm512_cvtph_ps(h);
+    }
+  };
+  for (; k + 16 <= K; k += 16) acc = _mm512_fmadd_ps(load(k, 0xFFFF), _mm512_loadu_ps(x + k), acc);
+  if (k < K) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (K - k)) - 1);
+    acc = _mm512_fmadd_ps(load(k, m), _mm512_maskz_loadu_ps(m, x + k), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+#elif defined(DSPARK_AVX2)
+  __m256 acc = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 w;
+    if constexpr (T == WType::F32) {
+      w = _mm256_loadu_ps(static_cast<const float*>(wrow) + k);
+    } else {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(wrow) + k));
+      if constexpr (T == WType::BF16)
+        w = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+      else
+        w = _mm256_cvtph_ps(h);
+    }
+    acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + k), acc);
+  }
+  float s = hsum256(acc);
+  for (; k < K; ++k) {
+    float w;
+    if constexpr (T == WType::F32)
+      w = static_cast<const float*>(wrow)[k];
+    else if constexpr (T == WType::BF16)
+      w = bf16_to_f(static_cast<const uint16_t*>(wrow)[k]);
+    else
+      w = f16_to_f(static_cast<const uint16_t*>(wrow)[k]);
+    s += w * x[k];
+  }
+  return s;
+#else
+  float s = 0.0f;
+  for (int64_t k = 0; k < K; ++k) {
+    float w;
+    if constexpr (T == WType::F32)
+      w = static_cast<const float*>(wrow)[k];
+    else if constexpr (T == WType::BF16)
+      w = bf16_to_f(static_cast<const uint16_t*>(wrow)[k]);
+    else
+      w = f16_to_f(static_cast<const uint16_t*>(wrow)[k]);
+    s += w * x[k];
+  }
+  return s;
+#endif
+}
+
+template <WType T>
+void rows_of(const DenseW& W, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t esize = T == WType::F32 ? 4 : 2;
+  for (int64_t n = n0; n < n1; ++n) {
+    const void* wrow = static_cast<const uint8_t*>(W.p) + n * W.K * esize;
+    for (int64_t m = 0; m < M; ++m) y[m * ldy + n] = dot_row<T>(wrow, x + m * ldx, W.K);
+  }
+}
+
+// y[m, n] (row stride ldy) = Σ_k x[m, k] (row stride ldx) · W[n, k], for m < M; rows of W split across threads
+inline void dense_rows(const DenseW& W, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy) {
+  if (M == 0 || W.N == 0) return;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, W.K * M));
+  at::parallel_for(0, W.N, grain, [&](int64_t n0, int64_t n1) {
+    if (W.t == WType::F32) rows_of<WType::F32>(W, x, M, ldx, y, ldy, n0, n1);
+    if (W.t == WType::BF16) rows_of<WType::BF16>(W, x, M, ldx, y, ldy, n0, n1);
+    if (W.t == WType::F16) rows_of<WType::F16>(W, x, M, ldx, y, ldy, n0, n1);
+  });
+}
+
+inline float silu_f(float g) { return g / (1.0f + std::exp(-g)); }
+inline float sigmoid_f(float g) { return 1.0f / (1.0f + std::exp(-g)); }
+
+}  // namespace

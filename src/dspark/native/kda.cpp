@@ -1,0 +1,176 @@
+// kda_rows: a few tokens per sequence (a decode step, a verification) through a Kimi Delta Attention layer
+// (models/kda.py), from its input projections to the input of o_proj, in one call instead of ~90 eager ops (decode)
+// or ~145 (the chunked form of an 8-row verification): the short causal conv + SiLU, the forget gate (f_b
+// projection, dt_bias, the Kimi Linear softplus or the K3 lower-bounded sigmoid), β, the L2 norms, the delta rule
+// token by token (the recurrent form) and the gated per-head RMSNorm. The input projections and o_proj stay with
+// the module. Every row runs the same recurrence whatever T: a verification's rows equal the decode steps' rows
+// bit for bit, and the state after each row comes for free (a copy).
+//
+//   z       [B, T, 3W] (dtype)  q|k|v before the conv (W = H·Dk)    fa, ga [B, T, Dk] (dtype)   bl [B, T, H] (dtype)
+//   state   [B, numel] fp32     the packed KDAState: recurrent [H, Dk, Dk], then the conv tail [K−1, 3W]; or [0]: zeros
+//   lengths [B] int64           valid rows per sequence (≤ T); rows beyond leave the state unchanged
+//   conv_w  [3W, 1, K]          f_b [W, Dk]   dt_bias [W]   a_log [H]   g_b [W, Dk]   norm_w [Dk]   (any float dtype)
+//   keep_per_row                also return the packed state after every row
+//   → (o [B, T, W] in z's dtype: σ(gate) ⊙ RMSNorm_head(o), the state after each sequence's last valid row
+//      [B, numel] fp32, the state after every row [B, T, numel] fp32 (or [0]))
+//
+// The module's order of operations and its roundings: where the module holds a bf16/fp16 tensor (conv output, SiLU,
+// the f_b and g_b products, o before the norm, the result) the value is rounded to that dtype (round_as), so the
+// two paths agree up to the order of the sums. Rows are independent (one sequence each).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "dense.h"
+
+namespace {
+
+at::Tensor f32(const at::Tensor& t) { return t.to(at::kFloat).contiguous(); }
+
+inline float softplus_f(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }  // torch's threshold 20
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> kda_rows(
+    const at::Tensor& z_in, const at::Tensor& fa_in, const at::Tensor& ga_in, const at::Tensor& bl_in,
+    const at::Tensor& state_in, const at::Tensor& lengths_in, const at::Tensor& conv_w_in, const at::Tensor& f_b_in,
+    const at::Tensor& dt_bias_in, const at::Tensor& a_log_in, const at::Tensor& g_b_in, const at::Tensor& norm_w_in,
+    int64_t H, int64_t Dk, std::optional<double> lower_bound, double eps, bool keep_per_row) {
+  const WType dt = wtype_of(z_in, "kda_rows z");
+  const int64_t W = H * Dk, CW = 3 * W;
+  TORCH_CHECK(z_in.dim() == 3 && z_in.size(2) == CW, "kda_rows: z must be [B, T, 3·H·Dk = ", CW, "], got ",
+              z_in.sizes());
+  const int64_t B = z_in.size(0), T = z_in.size(1);
+  TORCH_CHECK(fa_in.sizes() == at::IntArrayRef({B, T, Dk}) && ga_in.sizes() == at::IntArrayRef({B, T, Dk}) &&
+                  bl_in.sizes() == at::IntArrayRef({B, T, H}),
+              "kda_rows: fa, ga must be [B, T, Dk] and bl [B, T, H]");
+  TORCH_CHECK(conv_w_in.dim() == 3 && conv_w_in.size(0) == CW && conv_w_in.size(1) == 1,
+              "kda_rows: conv weight must be [3W, 1, K], got ", conv_w_in.sizes());
+  const int64_t K = conv_w_in.size(2), K1 = K - 1;
+  const int64_t rec = H * Dk * Dk, numel = rec + K1 * CW;
+  const bool fresh = state_in.numel() == 0;
+  TORCH_CHECK(fresh || (state_in.dim() == 2 && state_in.size(0) == B && state_in.size(1) == numel &&
+                        state_in.scalar_type() == at::kFloat),
+              "kda_rows: state must be fp32 [B, ", numel, "] (or empty), got ", state_in.sizes());
+  TORCH_CHECK(lengths_in.scalar_type() == at::kLong && lengths_in.numel() == B, "kda_rows: lengths must be int64 [B]");
+  const DenseW fb = dense_of(f_b_in.contiguous(), "kda_rows f_b"), gb = dense_of(g_b_in.contiguous(), "kda_rows g_b");
+  TORCH_CHECK(fb.N == W && fb.K == Dk && gb.N == W && gb.K == Dk, "kda_rows: f_b and g_b must be [W, Dk]");
+
+  const at::Tensor z = f32(z_in), fa = f32(fa_in), ga = f32(ga_in), bl = f32(bl_in), cw = f32(conv_w_in);
+  const at::Tensor dtb = f32(dt_bias_in), alog = f32(a_log_in), nw = f32(norm_w_in), lengths = lengths_in.contiguous();
+  TORCH_CHECK(dtb.numel() == W && alog.numel() == H && nw.numel() == Dk, "kda_rows: dt_bias [W], A_log [H], norm [Dk]");
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(lp[b] >= 0 && lp[b] <= T, "kda_rows: length ", lp[b], " of sequence ", b, " is not in [0, ", T, "]");
+  at::Tensor state = fresh ? at::zeros({B, numel}, z.options()) : state_in.contiguous().clone();
+  at::Tensor out = at::empty({B, T, W}, z.options());
+  at::Tensor rows = keep_per_row ? at::empty({B, T, numel}, z.options()) : at::empty({0}, z.options());
+
+  // the two low-rank products of every row at once (rows independent), rounded as the module's tensors are
+  at::Tensor fbo = at::empty({B * T, W}, z.options()), gbo = at::empty({B * T, W}, z.options());
+  dense_rows(fb, fa.data_ptr<float>(), B * T, Dk, fbo.data_ptr<float>(), W);
+  dense_rows(gb, ga.data_ptr<float>(), B * T, Dk, gbo.data_ptr<float>(), W);
+  round_all(fbo.data_ptr<float>(), B * T * W, dt);
+  round_all(gbo.data_ptr<float>(), B * T * W, dt);
+
+  const float *zp = z.data_ptr<float>(), *blp = bl.data_ptr<float>(), *cwp = cw.data_ptr<float>();
+  const float *dtp = dtb.data_ptr<float>(), *alp = alog.data_ptr<float>(), *nwp = nw.data_ptr<float>();
+  const float *fbp = fbo.data_ptr<float>(), *gbp = gbo.data_ptr<float>();
+  float *sp = state.data_ptr<float>(), *op = out.data_ptr<float>(), *rp = keep_per_row ? rows.data_ptr<float>() : nullptr;
+  const float qscale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(Dk)));
+  const bool bounded = lower_bound.has_value();
+  const float lb = bounded ? static_cast<float>(*lower_bound) : 0.0f;
+
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> mixed(CW), pred(Dk), delta(Dk), o(Dk), gh(Dk);
+    for (int64_t b = b0; b < b1; ++b) {
+      float* S = sp + b * numel;
+      float* tail = S + rec;  // [K−1, CW]: the pre-conv rows of the last K−1 tokens
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t row = b * T + t;
+        const bool valid = t < lp[b];
+        const float* zr = zp + row * CW;
+        // short conv over [tail | z_t] (the window's last K rows), then SiLU
+        for (int64_t c = 0; c < CW; ++c) {
+          float acc = 0.0f;
+          for (int64_t j = 0; j < K; ++j) {
+            const float w = j < K1 ? tail[j * CW + c] : zr[c];
+            acc += w * cwp[c * K + j];
+          }
+          mixed[c] = round_as(silu_f(round_as(acc, dt)), dt);
+        }
+        if (valid && K1 > 0) {  // the new tail: the window's rows 1 .. K−1
+          for (int64_t j = 0; j + 1 < K1; ++j) std::memcpy(tail + j * CW, tail + (j + 1) * CW, sizeof(float) * CW);
+          std::memcpy(tail + (K1 - 1) * CW, zr, sizeof(float) * CW);
+        }
+        const float* q = mixed.data();
+        const float* k = q + W;
+        const float* v = k + W;
+        for (int64_t h = 0; h < H; ++h) {
+          float* Sh = S + h * Dk * Dk;  // [Dk (key channel), Dk (value)]
+          float* dst = op + row * W + h * Dk;
+          const float rate = std::exp(alp[h]);
+          const float beta = valid ? sigmoid_f(blp[row * H + h]) : 0.0f;
+          for (int64_t c = 0; c < Dk; ++c) {
+            const float raw = fbp[row * W + h * Dk + c] + dtp[h * Dk + c];
+            const float gv = bounded ? lb * sigmoid_f(rate * raw) : -rate * softplus_f(raw);
+            gh[c] = valid ? gv : 0.0f;
+          }
+          // L2 norms (eps inside the root), q scaled by Dk^-1/2
+          float qq = 0.0f, kk = 0.0f;
+          for (int64_t c = 0; c < Dk; ++c) {
+            qq += q[h * Dk + c] * q[h * Dk + c];
+            kk += k[h * Dk + c] * k[h * Dk + c];
+          }
+          const float qn = 1.0f / std::sqrt(qq + 1e-6f), kn = 1.0f / std::sqrt(kk + 1e-6f);
+          std::fill(pred.begin(), pred.end(), 0.0f);
+          for (int64_t c = 0; c < Dk; ++c) {  // decay, then the prediction kᵀS
+            const float a = std::exp(gh[c]), kc = k[h * Dk + c] * kn;
+            float* srow = Sh + c * Dk;
+            for (int64_t j = 0; j < Dk; ++j) {
+              srow[j] = srow[j] * a;
+              pred[j] += kc * srow[j];
+            }
+          }
+          for (int64_t j = 0; j < Dk; ++j) delta[j] = beta * (v[h * Dk + j] - pred[j]);
+          std::fill(o.begin(), o.end(), 0.0f);
+          for (int64_t c = 0; c < Dk; ++c) {  // the rank-one update, then the read-out qᵀS
+            const float kc = k[h * Dk + c] * kn, qc = q[h * Dk + c] * qn * qscale;
+            float* srow = Sh + c * Dk;
+            for (int64_t j = 0; j < Dk; ++j) {
+              srow[j] = srow[j] + kc * delta[j];
+              o[j] += qc * srow[j];
+            }
+          }
+          // gated RMSNorm over the head's channels, in fp32 from o as the model dtype holds it
+          float ss = 0.0f;
+          for (int64_t j = 0; j < Dk; ++j) {
+            o[j] = round_as(o[j], dt);
+            ss += o[j] * o[j];
+          }
+          const float inv = 1.0f / std::sqrt(ss / float(Dk) + float(eps));
+          for (int64_t j = 0; j < Dk; ++j)
+            dst[j] = round_as(o[j] * inv * nwp[j] * sigmoid_f(gbp[row * W + h * Dk + j]), dt);
+        }
+        if (rp != nullptr) std::memcpy(rp + row * numel, S, sizeof(float) * numel);
+      }
+    }
+  });
+  return {dt == WType::F32 ? out : out.to(z_in.scalar_type()), state, rows};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dspark_native, m) {
+  m.def("kda_rows(Tensor z, Tensor fa, Tensor ga, Tensor bl, Tensor state, Tensor lengths, Tensor conv_w, "
+        "Tensor f_b, Tensor dt_bias, Tensor a_log, Tensor g_b, Tensor norm_w, int H, int Dk, float? lower_bound, "
+        "float eps, bool keep_per_row) -> (Tensor, Tensor, Tensor)");
+  m.impl("kda_rows", c10::DispatchKey::CPU, &kda_rows);
+}
