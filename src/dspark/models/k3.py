@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark import native
 from dspark.config import TargetConfig
 from dspark.models.layers import RMSNorm, SwiGLU
-from dspark.models.packing import Linear
+from dspark.models.packing import Linear, version_of
 from dspark.models.target import MoE, routed_experts
 from dspark.profiling import scope
 
@@ -86,12 +87,26 @@ class ResMix(nn.Module):
         self.proj = Linear(dim, 1, bias=False)
 
     def forward(self, values: list[torch.Tensor]) -> torch.Tensor:
-        """values: J tensors [B, T, D] → Σ_j softmax_j(⟨RMSNorm(v_j), norm.weight ⊙ proj.weight⟩)·v_j [B, T, D]."""
+        """values: J tensors [B, T, D] → Σ_j softmax_j(⟨RMSNorm(v_j), norm.weight ⊙ proj.weight⟩)·v_j [B, T, D].
+        Inference with the native kernels runs it as one call (``res_mix``, dspark/native/resmix.cpp)."""
+        ops = None if torch.is_grad_enabled() else native.ops()
+        if ops is not None:
+            return ops.res_mix(values, self._mix_weight(), self.norm.eps)
         v = torch.stack(values).float()  # [J, B, T, D]
         unit = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + self.norm.eps)
         scores = unit @ (self.norm.weight.float() * self.proj.weight.float()[0])  # [J, B, T]
         mixed = (scores.softmax(0)[..., None] * v).sum(0)
         return mixed.to(values[0].dtype)
+
+    def _mix_weight(self) -> torch.Tensor:
+        """norm.weight ⊙ proj.weight in fp32, cached until either changes (pointer, dtype, in-place version)."""
+        n, p = self.norm.weight, self.proj.weight
+        key = (n.data_ptr(), n.dtype, version_of(n), p.data_ptr(), p.dtype, version_of(p))
+        cached = self.__dict__.get("_mix_cache")
+        if cached is None or cached[0] != key:
+            cached = (key, self.norm.weight.float() * self.proj.weight.float()[0])
+            self.__dict__["_mix_cache"] = cached
+        return cached[1]
 
 
 class ResidualStream:
