@@ -25,7 +25,7 @@ from dspark import native
 from dspark.config import TargetConfig
 from dspark.models.layers import RMSNorm, SwiGLU
 from dspark.models.packing import Linear, version_of
-from dspark.models.target import MoE, routed_experts
+from dspark.models.target import MoE, plain_weight, routed_experts
 from dspark.profiling import scope
 
 
@@ -63,6 +63,9 @@ class K3MoE(MoE):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, D] → [B, T, D]."""
         flat = x.reshape(-1, x.shape[-1])
+        fused = self.native_forward(flat)  # the whole block in one native call (decode, verification)
+        if fused is not None:
+            return fused.view_as(x)
         with scope("moe.route"):
             idx, weights = self.gate(flat)  # [N, k]
         with scope("moe.experts"):
@@ -77,6 +80,22 @@ class K3MoE(MoE):
                 out = out + self.shared_experts(flat)
         return out.view_as(x)
 
+    def native_activation(self) -> tuple[int, float, float]:
+        """``moe_rows``' activation: (0, -, -) silu·up or (1, b_g, b_u) SiTU."""
+        expert = self.experts[0]
+        return (1, *map(float, expert.betas)) if expert.act == "situ" else (0, 0.0, 0.0)
+
+    def native_latent(self, dtype: torch.dtype) -> tuple | None:
+        """``moe_rows``' latent arguments (down weight, norm weight, eps, up weight); None if they are not plain
+        ``dtype`` weights (the module path then runs)."""
+        if not self.latent:
+            return (None, None, 0.0, None)
+        down, up = plain_weight(self.latent_down_proj, dtype), plain_weight(self.latent_up_proj, dtype)
+        norm = self.latent_norm
+        if down is None or up is None or norm.weight.dtype != dtype:
+            return None
+        return (down, norm.weight, norm.eps, up)
+
 
 class ResMix(nn.Module):
     """One AttnRes mixing point; holds ``{prefix}_norm`` and ``{prefix}_proj`` under the names the reference gives."""
@@ -89,8 +108,8 @@ class ResMix(nn.Module):
     def forward(self, values: list[torch.Tensor]) -> torch.Tensor:
         """values: J tensors [B, T, D] → Σ_j softmax_j(⟨RMSNorm(v_j), norm.weight ⊙ proj.weight⟩)·v_j [B, T, D].
         Inference with the native kernels runs it as one call (``res_mix``, dspark/native/resmix.cpp)."""
-        ops = None if torch.is_grad_enabled() else native.ops()
-        if ops is not None:
+        ops = native.inference_ops()
+        if ops is not None and all(v.dtype == values[0].dtype and v.shape == values[0].shape for v in values):
             return ops.res_mix(values, self._mix_weight(), self.norm.eps)
         v = torch.stack(values).float()  # [J, B, T, D]
         unit = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + self.norm.eps)

@@ -292,7 +292,7 @@ class KimiDeltaAttention(nn.Module, Packable):
         H, Dk = cfg.num_heads, cfg.head_dim
         lengths = torch.full((B,), T, dtype=torch.long, device=x.device) if lengths is None else lengths
         flat = store.read(self.layer_idx) if store is not None else None
-        if T <= NATIVE_ROWS and cfg.decode_recurrent and not torch.is_grad_enabled() and native.ops() is not None:
+        if T <= NATIVE_ROWS and cfg.decode_recurrent and native.inference_ops() is not None:
             return self._native_rows(x, flat, store, lengths)
         prev = self.empty_state(B, x.device) if flat is None else KDAState.unpack(flat, cfg, x.dtype)
         z, fa, ga, b = self.project(x)
@@ -330,7 +330,7 @@ class KimiDeltaAttention(nn.Module, Packable):
         keep = store is not None and store.keep_per_row
         z, fa, ga, b = self.project(x)
         state = flat if flat is not None else x.new_empty(0, dtype=torch.float32)
-        o, final, rows = native.ops().kda_rows(
+        o, final, rows = native.inference_ops().kda_rows(
             z, fa, ga, b, state, lengths, self.conv_weight(), self.f_b_proj.weight, self.dt_bias, self.A_log,
             self.g_b_proj.weight, self.o_norm.weight, cfg.num_heads, cfg.head_dim, cfg.gate_lower_bound,
             self.o_norm.eps, keep,

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import dspark.native as native
 from dspark.config import TargetConfig
 from dspark.models.layers import (
     Backbone,
@@ -123,6 +124,9 @@ class MoE(nn.Module, Packable):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, D] → [B, T, D]."""
         flat = x.reshape(-1, x.shape[-1])
+        fused = self.native_forward(flat)
+        if fused is not None:
+            return fused.view_as(x)
         with scope("moe.route"):
             idx, weights = self.gate(flat)
         with scope("moe.experts"):
@@ -134,6 +138,46 @@ class MoE(nn.Module, Packable):
             if self.shared_experts is not None:
                 out = out + self.shared_experts(flat)
         return out.view_as(x)
+
+    def native_forward(self, flat: torch.Tensor) -> torch.Tensor | None:
+        """The whole block (router, routed experts, latent projections, shared expert, sum) as one native call
+        (``moe_rows``, dspark/native/moe.cpp) for a few rows (≤ ``NATIVE_MOE_ROWS``: decode, verification) in
+        inference on stacked experts: ~100-460 eager ops per layer become one. Rows are computed alone (a row's
+        result does not depend on the batch: speculation stays lossless); the result equals the module path up to
+        the order of the GEMM sums (fp32) or bf16/fp16 rounding. None where it does not apply (then the module path
+        runs): fp32 (see ``NATIVE_MOE_DTYPES``), no native build, grad mode, unstacked or quantized weights, mixed
+        dtypes."""
+        if flat.shape[0] > NATIVE_MOE_ROWS or flat.dtype not in NATIVE_MOE_DTYPES or self.stacked_experts() is None:
+            return None
+        ops = native.inference_ops()
+        cfg, dtype = self.gate.cfg, flat.dtype
+        act, latent = self.native_activation(), self.native_latent(dtype)
+        if ops is None or act is None or latent is None:
+            return None
+        gate_up, down = self._stacked
+        shared = (None, None)
+        if self.shared_experts is not None:
+            se = self.shared_experts
+            shared = (se.fused_gate_up(), plain_weight(se.down_proj, dtype))
+            if se.__dict__.get("_gate_up_bias") is not None or any(w is None or w.dtype != dtype for w in shared):
+                return None
+        if gate_up.dtype != dtype or down.dtype != dtype:
+            return None
+        router, bias = self.gate._fp32_params()
+        groups = 0 if cfg.topk_method == "greedy" or cfg.n_group == 1 else 1 if cfg.topk_method == "noaux_tc" else 2
+        with scope("moe.experts"):
+            return ops.moe_rows(
+                flat, router, bias, cfg.num_experts_per_tok, cfg.scoring_func == "softmax", cfg.norm_topk_prob,
+                cfg.routed_scaling_factor, cfg.n_group, cfg.topk_group, groups, gate_up, down, *latent, *shared, *act
+            )  # fmt: skip
+
+    def native_activation(self) -> tuple[int, float, float] | None:
+        """The experts' activation for ``moe_rows``: (0, -, -) silu·up; None if another (subclasses: SiTU)."""
+        return (0, 0.0, 0.0) if type(self.experts[0]).activate is SwiGLU.activate else None
+
+    def native_latent(self, dtype: torch.dtype) -> tuple | None:
+        """``moe_rows``' latent arguments (down weight, norm weight, eps, up weight): none here (K3: its latent)."""
+        return (None, None, 0.0, None)
 
     def _routed_loop(self, flat: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Reference path (training / unfused weights): one masked pass per expert that received tokens."""
@@ -192,6 +236,17 @@ class MoE(nn.Module, Packable):
             if expert.down_proj.weight.dtype != down.dtype:
                 return None
         return stacked
+
+
+NATIVE_MOE_ROWS = 64  # MoE.native_forward up to this many rows; larger batches keep the batched GEMM paths
+# ... in these dtypes: fp32 stays the bit-exact reference (the native sums run in another order; tests add fp32)
+NATIVE_MOE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def plain_weight(lin: nn.Module, dtype: torch.dtype) -> torch.Tensor | None:
+    """A bias-free ``nn.Linear``'s contiguous weight in ``dtype`` (what a native product can read), else None."""
+    ok = isinstance(lin, nn.Linear) and lin.bias is None and lin.weight.dtype == dtype and lin.weight.is_contiguous()
+    return lin.weight if ok else None
 
 
 def grouped_experts(

@@ -41,6 +41,7 @@ __all__ = [
     "build_dir",
     "cpu_key",
     "enabled",
+    "inference_ops",
     "ops",
     "reset",
     "status",
@@ -178,6 +179,14 @@ def ops() -> Any:
                 _state["error"] = f"{type(e).__name__}: {first}"
                 logger.warning("dspark native kernels unavailable (%s); using the PyTorch fallback", _state["error"])
     return _state.get("ops")
+
+
+def inference_ops() -> Any:
+    """``ops()`` for the native layers of inference: None in grad mode and under CPU autocast, whose per-op dtype
+    choices only the modules follow (training, and evaluation inside the training loop, keep the modules)."""
+    if torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
+        return None
+    return ops()
 
 
 def available() -> bool:

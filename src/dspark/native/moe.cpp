@@ -1,0 +1,321 @@
+// moe_rows: a whole MoE block (models/target.py MoE, models/k3.py K3MoE) for a few rows in one call instead of
+// ~100-460 eager ops per layer: router, routed experts (optionally in a latent space, with the latent RMSNorm and
+// the projections around them), shared expert and the sum. Compiled with kernels.cpp into one library.
+//
+//   x             [N, D]        bf16 / fp16 / fp32 (the model dtype T); → out [N, D] in T
+//   router        [E, D] fp32   MoEGate's weight (fp32 copy);  bias [E] fp32 or none (noaux_tc correction)
+//   gate_up       [E, 2I, W] T  stacked routed experts (W = D, or the latent width);  down [E, W, I] T
+//   latent_down   [W, D] T, latent_norm [W], latent_up [D, W] T   (all three, or none)
+//   shared_gate_up [2Is, D] T, shared_down [D, Is] T              (both, or none)
+//   act           0: silu(g)·u   1: SiTU b_g·tanh(g/b_g)·σ(g) · b_u·tanh(u/b_u)
+//
+// The router runs in fp32 as MoEGate.forward (sigmoid or softmax scores; choice = scores + bias; group-limited
+// routing when group_mode (1: a group scores the sum of its top-2 choices, noaux_tc; 2: its best) keeps the
+// topk_group best of n_group groups; top-k by choice, ties to the lower index; weights = the chosen scores,
+// renormalised over the k when norm_topk, × scaling). Every product is dense_rows (dense.h) and every value the
+// module path holds in a T tensor is rounded to T (round_as): the GEMM outputs, each step of the activation, the
+// weighted expert sum (Σ in fp32 over the experts in ascending order, rounded once, as the bf16 dense pass), the
+// latent norm and the final sum. In fp32 the result therefore differs from the modules only in the order of the
+// GEMM sums. Each row is computed alone (rows that share an expert share its weight reads, never a sum), so a row's
+// result is bit for bit the same in a 1-row decode step and an 8-row verification.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <optional>
+#include <vector>
+
+#include "dense.h"
+
+namespace {
+
+using OptT = std::optional<at::Tensor>;
+
+struct Act {
+  int64_t kind;  // 0 silu·u, 1 SiTU
+  float bg, bu;
+  WType t;  // the rounding of the module path's tensors
+
+  // h[j] = act(g[j], u[j]) with each torch op's result rounded to t, in the order the module evaluates them
+  void operator()(const float* g, const float* u, float* h, int64_t n) const {
+    for (int64_t j = 0; j < n; ++j) {
+      if (kind == 0) {
+        h[j] = round_as(round_as(silu_f(g[j]), t) * u[j], t);
+      } else {  // bg * tanh(g / bg) * sigmoid(g) * (bu * tanh(u / bu))
+        const float a = round_as(bg * round_as(std::tanh(round_as(g[j] / bg, t)), t), t);
+        const float s = round_as(sigmoid_f(g[j]), t);
+        const float b = round_as(bu * round_as(std::tanh(round_as(u[j] / bu, t)), t), t);
+        h[j] = round_as(round_as(a * s, t) * b, t);
+      }
+    }
+  }
+};
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+template <WType T>
+inline __m512 load16(const void* wrow, int64_t at, __mmask16 m) {
+  if constexpr (T == WType::F32) {
+    return _mm512_maskz_loadu_ps(m, static_cast<const float*>(wrow) + at);
+  } else {
+    const __m256i h = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(wrow) + at);
+    if constexpr (T == WType::BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+  }
+}
+
+// dense_rows' arithmetic (each output: one 16-lane FMA chain over k, then the lane reduction: bit for bit
+// dot_row), four weight rows at a time so four independent chains hide the FMA latency, every row alone
+template <WType T>
+void rows4(const DenseW& W, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy) {
+  const int64_t K = W.K, esize = T == WType::F32 ? 4 : 2, tail = K % 16;
+  const __mmask16 tm = static_cast<__mmask16>((1u << tail) - 1);
+  const auto* base = static_cast<const uint8_t*>(W.p);
+  int64_t n = 0;
+  for (; n + 4 <= W.N; n += 4) {
+    const void* w[4];
+    for (int i = 0; i < 4; ++i) w[i] = base + (n + i) * K * esize;
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xm = x + m * ldx;
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      int64_t k = 0;
+      for (; k + 16 <= K; k += 16) {
+        const __m512 xv = _mm512_loadu_ps(xm + k);
+        a0 = _mm512_fmadd_ps(load16<T>(w[0], k, 0xFFFF), xv, a0);
+        a1 = _mm512_fmadd_ps(load16<T>(w[1], k, 0xFFFF), xv, a1);
+        a2 = _mm512_fmadd_ps(load16<T>(w[2], k, 0xFFFF), xv, a2);
+        a3 = _mm512_fmadd_ps(load16<T>(w[3], k, 0xFFFF), xv, a3);
+      }
+      if (tail) {
+        const __m512 xv = _mm512_maskz_loadu_ps(tm, xm + k);
+        a0 = _mm512_fmadd_ps(load16<T>(w[0], k, tm), xv, a0);
+        a1 = _mm512_fmadd_ps(load16<T>(w[1], k, tm), xv, a1);
+        a2 = _mm512_fmadd_ps(load16<T>(w[2], k, tm), xv, a2);
+        a3 = _mm512_fmadd_ps(load16<T>(w[3], k, tm), xv, a3);
+      }
+      float* ym = y + m * ldy + n;
+      ym[0] = _mm512_reduce_add_ps(a0), ym[1] = _mm512_reduce_add_ps(a1);
+      ym[2] = _mm512_reduce_add_ps(a2), ym[3] = _mm512_reduce_add_ps(a3);
+    }
+  }
+  for (; n < W.N; ++n)
+    for (int64_t m = 0; m < M; ++m) y[m * ldy + n] = dot_row<T>(base + n * K * esize, x + m * ldx, K);
+}
+#endif
+
+// dense_rows (dense.h), faster where AVX-512 allows: the same sums, bit for bit
+void dense(const DenseW& W, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  if (at::get_num_threads() == 1) {
+    if (W.t == WType::F32) return rows4<WType::F32>(W, x, M, ldx, y, ldy);
+    if (W.t == WType::BF16) return rows4<WType::BF16>(W, x, M, ldx, y, ldy);
+    return rows4<WType::F16>(W, x, M, ldx, y, ldy);
+  }
+#endif
+  dense_rows(W, x, M, ldx, y, ldy);
+}
+
+// y[M, out] = T(down · act(T(gate_up · x))) for M rows x [M, in] (gate_up [2I, in], down [out, I])
+void glu_rows(const DenseW& gate_up, const DenseW& down, const float* x, int64_t M, const Act& act, float* y,
+              std::vector<float>& gu, std::vector<float>& h) {
+  const int64_t I = gate_up.N / 2;
+  gu.resize(M * 2 * I);
+  h.resize(M * I);
+  dense(gate_up, x, M, gate_up.K, gu.data(), 2 * I);
+  round_all(gu.data(), M * 2 * I, act.t);
+  for (int64_t m = 0; m < M; ++m) act(gu.data() + m * 2 * I, gu.data() + m * 2 * I + I, h.data() + m * I, I);
+  dense(down, h.data(), M, I, y, down.N);
+  round_all(y, M * down.N, act.t);
+}
+
+// the index of the largest v[i] not yet taken (ties: the lower index, as torch.topk for distinct values)
+int64_t take_max(const float* v, std::vector<char>& taken, int64_t n) {
+  int64_t best = -1;
+  for (int64_t i = 0; i < n; ++i)
+    if (!taken[i] && (best < 0 || v[i] > v[best])) best = i;
+  taken[best] = 1;
+  return best;
+}
+
+struct Router {
+  int64_t E, k, n_group, topk_group, group_mode;  // group_mode: 0 none, 1 Σ top-2 per group (noaux_tc), 2 max
+  bool softmax, norm_topk;
+  float scaling;
+  const float* bias;
+
+  // MoEGate.forward on one row of fp32 logits s [E] (overwritten by the scores): the k chosen experts (descending
+  // choice) and their weights
+  void operator()(float* s, int64_t* idx, float* w) const {
+    if (softmax) {
+      float mx = s[0];
+      for (int64_t e = 1; e < E; ++e) mx = std::max(mx, s[e]);
+      float sum = 0.0f;
+      for (int64_t e = 0; e < E; ++e) sum += (s[e] = std::exp(s[e] - mx));
+      for (int64_t e = 0; e < E; ++e) s[e] = s[e] / sum;
+    } else {
+      for (int64_t e = 0; e < E; ++e) s[e] = sigmoid_f(s[e]);
+    }
+    std::vector<float> c(s, s + E);
+    if (bias)
+      for (int64_t e = 0; e < E; ++e) c[e] = s[e] + bias[e];
+    if (group_mode) {  // keep the topk_group best groups, the others' choices -inf
+      const int64_t G = E / n_group;
+      std::vector<float> gs(n_group);
+      for (int64_t g = 0; g < n_group; ++g) {
+        std::vector<char> t(G, 0);
+        const float* cg = c.data() + g * G;
+        const float first = cg[take_max(cg, t, G)];
+        gs[g] = group_mode == 1 ? first + cg[take_max(cg, t, G)] : first;
+      }
+      std::vector<char> keep(n_group, 0), t(n_group, 0);
+      for (int64_t j = 0; j < topk_group; ++j) keep[take_max(gs.data(), t, n_group)] = 1;
+      for (int64_t e = 0; e < E; ++e)
+        if (!keep[e / G]) c[e] = -INFINITY;
+    }
+    std::vector<char> taken(E, 0);
+    for (int64_t j = 0; j < k; ++j) idx[j] = take_max(c.data(), taken, E), w[j] = s[idx[j]];
+    if (norm_topk) {
+      float sum = 0.0f;
+      for (int64_t j = 0; j < k; ++j) sum += w[j];
+      for (int64_t j = 0; j < k; ++j) w[j] = w[j] / (sum + 1e-20f);
+    }
+    if (scaling != 1.0f)
+      for (int64_t j = 0; j < k; ++j) w[j] = w[j] * scaling;
+  }
+};
+
+DenseW stack_entry(const at::Tensor& stack, int64_t e) {
+  DenseW W{nullptr, wtype_of(stack, "moe_rows: expert stack"), stack.size(1), stack.size(2)};
+  W.p = static_cast<const uint8_t*>(stack.data_ptr()) + e * stack.stride(0) * stack.element_size();
+  return W;
+}
+
+at::Tensor moe_rows(const at::Tensor& x_in, const at::Tensor& router, const OptT& bias, int64_t top_k, bool softmax,
+                    bool norm_topk, double scaling, int64_t n_group, int64_t topk_group, int64_t group_mode,
+                    const at::Tensor& gate_up, const at::Tensor& down,
+                    const OptT& latent_down, const OptT& latent_norm, double eps, const OptT& latent_up,
+                    const OptT& shared_gate_up, const OptT& shared_down, int64_t act_kind, double beta_g,
+                    double beta_u) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.device().is_cpu(), "moe_rows: x must be a CPU [N, D]");
+  const at::Tensor x = x_in.contiguous();
+  const WType t = wtype_of(x, "moe_rows: x");
+  const int64_t N = x.size(0), D = x.size(1), E = router.size(0);
+  TORCH_CHECK(router.scalar_type() == at::kFloat && router.dim() == 2 && router.size(1) == D && router.is_contiguous(),
+              "moe_rows: the router weight must be a contiguous fp32 [E, D]");
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->numel() == E && bias->is_contiguous()),
+              "moe_rows: the correction bias must be a contiguous fp32 [E]");
+  TORCH_CHECK(top_k >= 1 && top_k <= E, "moe_rows: top_k ", top_k, " of ", E, " experts");
+  TORCH_CHECK(group_mode >= 0 && group_mode <= 2 && n_group >= 1 && E % n_group == 0 && topk_group >= 1 &&
+                  topk_group <= n_group && (group_mode != 1 || E / n_group >= 2),
+              "moe_rows: groups ", n_group, " (keep ", topk_group, ", mode ", group_mode, ") of ", E, " experts");
+  TORCH_CHECK(gate_up.dim() == 3 && down.dim() == 3 && gate_up.size(0) == E && down.size(0) == E &&
+                  gate_up.is_contiguous() && down.is_contiguous() && gate_up.size(1) == 2 * down.size(2),
+              "moe_rows: stacks must be contiguous gate_up [E, 2I, W] and down [E, W, I]");
+  const bool latent = latent_down.has_value();
+  TORCH_CHECK(latent == latent_norm.has_value() && latent == latent_up.has_value(),
+              "moe_rows: latent_down, latent_norm and latent_up come together");
+  TORCH_CHECK(shared_gate_up.has_value() == shared_down.has_value(), "moe_rows: shared gate_up and down together");
+  TORCH_CHECK(act_kind == 0 || act_kind == 1, "moe_rows: act is 0 (silu) or 1 (SiTU)");
+  const int64_t W = latent ? latent_down->size(0) : D;
+  TORCH_CHECK(gate_up.size(2) == W && down.size(1) == W, "moe_rows: expert width ", gate_up.size(2), " != ", W);
+  DenseW ldown, lup, sgu, sdown;
+  at::Tensor lnorm;
+  if (latent) {
+    ldown = dense_of(*latent_down, "moe_rows: latent_down");
+    lup = dense_of(*latent_up, "moe_rows: latent_up");
+    lnorm = latent_norm->to(at::kFloat).contiguous();
+    TORCH_CHECK(ldown.K == D && lup.N == D && lup.K == W && lnorm.numel() == W, "moe_rows: latent shapes disagree");
+  }
+  if (shared_gate_up) {
+    sgu = dense_of(*shared_gate_up, "moe_rows: shared gate_up");
+    sdown = dense_of(*shared_down, "moe_rows: shared down");
+    TORCH_CHECK(sgu.K == D && sdown.N == D && sgu.N == 2 * sdown.K, "moe_rows: shared expert shapes disagree");
+  }
+  const Act act{act_kind, float(beta_g), float(beta_u), t};
+
+  // x in fp32 (exact), then the router: logits, scores, the k experts of each row and their weights
+  std::vector<float> xf(N * D), logits(N * E), wts(N * top_k);
+  std::vector<int64_t> idx(N * top_k);
+  {
+    const at::Tensor x32 = t == WType::F32 ? x : x.to(at::kFloat);
+    std::memcpy(xf.data(), x32.data_ptr<float>(), sizeof(float) * N * D);
+  }
+  dense(dense_of(router, "moe_rows: router"), xf.data(), N, D, logits.data(), E);
+  const Router route{E,       top_k,     n_group, topk_group, group_mode, softmax, norm_topk, float(scaling),
+                     bias ? bias->data_ptr<float>() : nullptr};
+  for (int64_t m = 0; m < N; ++m) route(logits.data() + m * E, idx.data() + m * top_k, wts.data() + m * top_k);
+
+  // the routed experts' input: x, or T(latent_down · x)
+  std::vector<float> lat;
+  if (latent) {
+    lat.resize(N * W);
+    dense(ldown, xf.data(), N, D, lat.data(), W);
+    round_all(lat.data(), N * W, t);
+  }
+  const float* inp = latent ? lat.data() : xf.data();
+
+  // each expert once over the rows that chose it; acc[m] += T(w)·y in ascending expert order
+  std::vector<float> acc(N * W, 0.0f), rows, y, gu, h;
+  std::vector<int64_t> who;
+  std::vector<float> who_w;
+  for (int64_t e = 0; e < E; ++e) {
+    who.clear();
+    who_w.clear();
+    for (int64_t m = 0; m < N; ++m)
+      for (int64_t j = 0; j < top_k; ++j)
+        if (idx[m * top_k + j] == e) who.push_back(m), who_w.push_back(round_as(wts[m * top_k + j], t));
+    const int64_t M = static_cast<int64_t>(who.size());
+    if (M == 0) continue;
+    rows.resize(M * W);
+    y.resize(M * W);
+    for (int64_t r = 0; r < M; ++r) std::memcpy(rows.data() + r * W, inp + who[r] * W, sizeof(float) * W);
+    glu_rows(stack_entry(gate_up, e), stack_entry(down, e), rows.data(), M, act, y.data(), gu, h);
+    for (int64_t r = 0; r < M; ++r) {
+      float* a = acc.data() + who[r] * W;
+      const float* yr = y.data() + r * W;
+      for (int64_t j = 0; j < W; ++j) a[j] = a[j] + who_w[r] * yr[j];
+    }
+  }
+  round_all(acc.data(), N * W, t);
+
+  // latent: T(latent_up · T(norm_w · T(acc / rms(acc))))
+  std::vector<float> out_f;
+  const float* routed = acc.data();
+  if (latent) {
+    const float* nw = lnorm.data_ptr<float>();
+    for (int64_t m = 0; m < N; ++m) {
+      float* a = acc.data() + m * W;
+      float ss = 0.0f;
+      for (int64_t j = 0; j < W; ++j) ss += a[j] * a[j];
+      const float inv = 1.0f / std::sqrt(ss / float(W) + float(eps));
+      for (int64_t j = 0; j < W; ++j) a[j] = round_as(nw[j] * round_as(a[j] * inv, t), t);
+    }
+    out_f.resize(N * D);
+    dense(lup, acc.data(), N, W, out_f.data(), D);
+    round_all(out_f.data(), N * D, t);
+    routed = out_f.data();
+  }
+
+  // + the shared expert on x, rounded once more
+  at::Tensor out32 = at::empty({N, D}, x.options().dtype(at::kFloat));
+  float* o = out32.data_ptr<float>();
+  if (shared_gate_up) {
+    std::vector<float> sh(N * D);
+    glu_rows(sgu, sdown, xf.data(), N, act, sh.data(), gu, h);
+    for (int64_t i = 0; i < N * D; ++i) o[i] = round_as(routed[i] + sh[i], t);
+  } else {
+    std::memcpy(o, routed, sizeof(float) * N * D);
+  }
+  return t == WType::F32 ? out32 : out32.to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dspark_native, m) {
+  m.def("moe_rows(Tensor x, Tensor router, Tensor? bias, int top_k, bool softmax, bool norm_topk, float scaling, "
+        "int n_group, int topk_group, int group_mode, Tensor gate_up, Tensor down, Tensor? latent_down, "
+        "Tensor? latent_norm, float eps, Tensor? latent_up, Tensor? shared_gate_up, Tensor? shared_down, int act, "
+        "float beta_g, float beta_u) -> Tensor");
+  m.impl("moe_rows", c10::DispatchKey::CPU, &moe_rows);
+}
