@@ -1,5 +1,6 @@
-"""The native absorbed MLA core (``mla_attend``): the module path's values (fp32: up to the order of the sums; bf16:
-within its rounding), each query row bit for bit alone, and greedy generation unchanged with it on or off."""
+"""The native absorbed MLA core (``mla_attend``) and projections (``mla_project``): the module path's values (fp32: up
+to the order of the sums; bf16: within its rounding), each query row bit for bit alone, and greedy generation
+unchanged with them on or off."""
 
 import pytest
 import torch
@@ -18,12 +19,14 @@ from dspark.sampling_params import SamplingParams
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
 
 
-def make(gate: bool, use_nope: bool = False, bias: bool = False) -> tuple[MLAttention, RotaryEmbedding]:
-    rope = RopeConfig(dim=8, theta=10000.0)
+def make(
+    gate: bool, use_nope: bool = False, bias: bool = False, q_lora: int | None = None, interleave: bool = True
+) -> tuple[MLAttention, RotaryEmbedding]:
+    rope = RopeConfig(dim=8, theta=10000.0, interleave=interleave)
     cfg = MLAConfig(
         hidden_size=32,
         num_heads=4,
-        q_lora_rank=None,
+        q_lora_rank=q_lora,
         kv_lora_rank=20,
         qk_nope_head_dim=12,
         qk_rope_head_dim=8,
@@ -121,3 +124,31 @@ def test_greedy_generation_same_with_native_on_and_off(monkeypatch, build):
     on = run(True)
     assert any(taken)  # the kernel ran (decode and verification rows)
     assert on == off
+
+
+@pytest.mark.parametrize("variant", ["plain", "lora", "nope", "halves"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_projections_equal_the_module_path(variant, dtype, monkeypatch):
+    attn, rot = make(
+        gate=False, use_nope=variant == "nope", q_lora=16 if variant == "lora" else None, interleave=variant != "halves"
+    )
+    attn = attn.to(dtype)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 8, 32, generator=g).to(dtype)
+    cos, sin = rot.cos_sin(torch.arange(5, 13).expand(3, 8))
+    calls = []
+    real = attn._native_project
+    monkeypatch.setattr(attn, "_native_project", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        monkeypatch.setenv(native.ENV, "0")
+        ref = attn.project(x, cos, sin)
+        monkeypatch.setenv(native.ENV, "1")
+        got = attn.project(x, cos, sin)
+        rows = [attn.project(x[:, t : t + 1], cos[:, t : t + 1], sin[:, t : t + 1]) for t in range(8)]
+        assert real(x, cos, sin) is not None  # the native path applies here
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for a, b, one in zip(got, ref, zip(*rows)):
+        assert a.dtype == dtype and a.shape == b.shape
+        torch.testing.assert_close(a.float(), b.float(), **tol)
+        assert torch.equal(a, torch.cat(one, 1))  # each row alone, bit for bit
+    assert len(calls) == 10

@@ -105,6 +105,9 @@ class MLAttention(nn.Module, Packable):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, D] → (cached latent [B, T, C+R], q_nope [B, T, H, Dn], rotated q_pe [B, T, H, R])."""
+        native_out = self._native_project(x, cos, sin)
+        if native_out is not None:
+            return native_out
         # fp32 (the bit-exact reference) keeps two GEMMs: one wider GEMM may round a few outputs differently
         fused = None if torch.is_grad_enabled() or x.dtype == torch.float32 else self._linked_xproj()
         if fused is None:
@@ -122,6 +125,31 @@ class MLAttention(nn.Module, Packable):
             pe = apply_rope(pe, cos[:, :, None], sin[:, :, None], cfg.rope.interleave)
             q_pe, k_pe = pe[:, :, :H], pe[:, :, H]
         return torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1), q_nope, q_pe
+
+    def _native_project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``project`` as one native call (``mla_project``, dspark/native/mla_project.cpp: the same products, norms,
+        rotations and roundings, each row alone) for inference over a few rows per sequence; None where it does not
+        apply (no native kernels, grad mode, more rows, quantized, biased or mixed-dtype weights)."""
+        ops = native.inference_ops()
+        if ops is None or x.shape[1] > NATIVE_ROWS or x.dtype not in NATIVE_DTYPES:
+            return None
+        cfg = self.cfg
+        lora = cfg.q_lora_rank is not None
+        linears = (self.kv_a_proj_with_mqa, *((self.q_a_proj, self.q_b_proj) if lora else (self.q_proj,)))
+        norms = (self.kv_a_layernorm, *((self.q_a_layernorm,) if lora else ()))
+        if not all(type(m) is Linear and m.bias is None and m.weight.dtype == x.dtype for m in linears) or any(
+            n.weight.dtype != x.dtype for n in norms
+        ):
+            return None
+        q_a = self.q_a_layernorm if lora else None
+        return ops.mla_project(
+            x, cos, sin, linears[1].weight, None if q_a is None else q_a.weight, 0.0 if q_a is None else q_a.eps,
+            self.q_b_proj.weight if lora else None, self.kv_a_proj_with_mqa.weight, self.kv_a_layernorm.weight,
+            self.kv_a_layernorm.eps, cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.use_nope,
+            cfg.rope.interleave,
+        )  # fmt: skip
 
     def latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, T, D] → cached latent [B, T, C+R] = [kv_a_layernorm(c_kv) | rope(k_pe)]."""
