@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark import native
+import dspark.native as native
 from dspark.config import TargetConfig
 from dspark.models.layers import RMSNorm, SwiGLU
 from dspark.models.packing import Linear, version_of

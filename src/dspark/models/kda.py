@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark import native
+import dspark.native as native
 from dspark.config import KDAConfig
 from dspark.models.layers import blocks_of, fuse_rows, remembered_link, weights_of
 from dspark.models.packing import Linear, Packable, PackedWeight, packed_linear, version_of
