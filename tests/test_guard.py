@@ -61,6 +61,20 @@ def test_drafting_takes_the_lead_back_only_by_the_margin():
         SpeculationGuard(margin=-0.1)
 
 
+def test_drafting_that_stops_paying_hands_the_lead_back_at_once():
+    guard = SpeculationGuard(period=16, probe=1, warmup=1, max_period=16, alpha=0.5)
+    _drive(guard, 40, draft_rate=1, plain_rate=3)  # plain leads, drafting probed every 16 steps
+    lucky = iter([12])  # the next probe round accepts a whole block: drafting wins the probe
+    modes = []
+    for _ in range(60):
+        drafting = guard.drafting(1)
+        modes.append("d" if drafting else "p")
+        guard.observe(1, drafting, next(lucky, 1) if drafting else 3, 1.0)
+    runs = [len(r) for r in "".join(modes).split("p") if r]
+    assert max(runs) == 3  # the lucky probe and two rounds until the average falls below plain; not 16 rounds
+    assert guard.buckets[1].off_at is not None and guard.drafting(1) is False
+
+
 def test_guard_keeps_drafting_when_rounds_pay_and_decides_per_batch_size():
     guard = SpeculationGuard(period=10, probe=2, warmup=3)
     fast = _drive(guard, 60, draft_rate=5, plain_rate=1, batch=1)

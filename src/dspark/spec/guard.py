@@ -9,7 +9,8 @@ the faster mode lead, and every ``period`` steps of the leader runs ``probe`` st
 its estimate (the text, the depth and the machine's load drift). While plain steps keep winning, each confirming
 probe doubles the wait before the next one (up to ``max_period``), so a drafter that does not pay costs less and less;
 a probe that drafting wins (by ``margin``: a lucky probe of two rounds must not buy ``period`` losing ones) brings the
-period back to ``period``. Either mode samples from the target's
+period back to ``period``, and while drafting leads, every round compares its fresh rate with the plain steps' last
+one, so drafting that stops paying hands the lead back at once. Either mode samples from the target's
 distribution, so switching never changes what a request can produce (greedy output is identical token for token);
 only seeded sampled output, which depends on the rounds taken, would differ from run to run, so the engine leaves a
 step with a seeded sampled request out of the guard (it drafts).
@@ -105,6 +106,9 @@ class SpeculationGuard:
             if b.probe_left == 0:
                 self._elect(b)
             return
+        if drafted and b.plain.steps and b.draft.rate < b.plain.rate:
+            self._hand_back(b)
+            return
         b.until_probe -= 1
         if b.until_probe <= 0 and b.probe_left == 0:
             b.probe_left = self.probe
@@ -121,6 +125,16 @@ class SpeculationGuard:
                 b.off_at, b.off_rates = b.steps, (b.draft.rate, b.plain.rate, b.draft.tokens)
         b.period = min(2 * b.period, self.max_period) if kept_plain else self.period
         b.until_probe = b.period
+
+    def _hand_back(self, b: _Bucket) -> None:
+        """Drafting leads, but its own rate (fresh every round) fell below the plain steps' last measured rate: plain
+        steps lead from this step on, not ``period`` rounds later (a probe that a few lucky rounds won buys only the
+        rounds it takes the average to fall back), and the wait before the next probe grows as after a probe that
+        plain steps win."""
+        b.leader_drafts = False
+        b.off_at, b.off_rates = b.steps, (b.draft.rate, b.plain.rate, b.draft.tokens)
+        b.period = min(2 * max(b.period, self.period), self.max_period)
+        b.until_probe, b.probe_left = b.period, 0
 
     def report(self) -> dict[str, dict[str, float | int | bool]]:
         """Per batch-size bucket ('1', '2-3', ...): measured tokens/s of each mode, steps, and who leads."""
