@@ -164,3 +164,75 @@ def test_a_gguf_layer_runs_as_one_native_call_and_speculation_still_decodes_the_
     assert any(layer == 0 and t == 8 and fused for layer, t, fused in calls)  # a whole verification in one call
     assert plain == modules and speculative == plain
     assert model.model.layers[0].native_weights() is not None and model.model.layers[1].native_weights() is None
+
+
+class _Pool:
+    """A minimal paged cache for one sequence of T new rows at slots 1..T (slot 0: scratch): what the native layer
+    (``plane_and_slots``) and the native stack (``pool_and_slots``) read and write."""
+
+    def __init__(self, layers: int, width: int, T: int) -> None:
+        self.pool = torch.zeros(layers, T + 1, width)
+        self.writes = torch.arange(1, T + 1)
+        self.slots = torch.arange(1, T + 1)[None]
+
+    def plane_and_slots(self, layer: int):
+        return self.pool[layer], self.writes, self.slots
+
+    def pool_and_slots(self):
+        return self.pool, 0, self.writes, self.slots
+
+
+@needs_native
+def test_a_stack_of_native_layers_runs_as_one_call_with_the_same_values_and_taps(tmp_path, monkeypatch):
+    """Where every layer takes its native call, the whole stack is one ``gqa_stack`` call: logits, taps and the
+    pool rows it writes equal the layer-by-layer native calls bit for bit; and greedy decoding (plain and with
+    n-gram verifications) is unchanged."""
+    import dspark.models.llama as llama
+    from dspark.config import EngineConfig, SpeculativeConfig
+    from dspark.engine.engine import Engine
+    from dspark.llm import LLM
+    from dspark.sampling_params import SamplingParams
+
+    qtypes = {k: (Q.Q4_1 if v == Q.Q8_0 and k == "blk.1.attn_v.weight" else v) for k, v in QTYPES.items()}
+    src = tiny_hf(LlamaForCausalLM, LlamaConfig, tie_word_embeddings=True)
+    model = load_target(export_gguf(write_gguf(tmp_path / "u.gguf", src, "llama", qtypes=qtypes), out=tmp_path / "e"),
+                        "float32", quantization="gguf")  # fmt: skip
+    model.fuse_for_inference()
+    stacks = []
+    real, arguments = llama.LlamaTarget.native_stack, llama.stack_arguments
+    monkeypatch.setattr(llama.LlamaTarget, "native_stack", lambda *a: stacks.append(r := real(*a)) or r)
+    L, T = len(model.model.layers), 5
+    tokens = ids()[:1, :T]
+    width = model.page_format.width
+
+    def run(stack: bool):
+        monkeypatch.setattr(llama, "stack_arguments", arguments if stack else lambda layers: None)
+        pool = _Pool(L, width, T)
+        with torch.inference_mode():
+            out = model(tokens, torch.arange(T)[None], torch.ones(1, T, T, dtype=torch.bool).tril(), pool,
+                        tap_layers=(0, L - 1))  # fmt: skip
+        return out, pool.pool
+
+    stacks.clear()
+    one, pool_one = run(stack=True)
+    assert stacks and stacks[-1] is not None  # the stack ran
+    per_layer, pool_per_layer = run(stack=False)
+    assert stacks[-1] is None
+    assert torch.equal(one.logits, per_layer.logits) and torch.equal(one.taps, per_layer.taps)
+    assert torch.equal(pool_one, pool_per_layer)
+
+    g = torch.Generator().manual_seed(4)
+    motif = torch.randint(0, VOCAB_SIZE, (6,), generator=g).tolist()
+    prompts = [motif * 4, torch.randint(0, VOCAB_SIZE, (21,), generator=g).tolist()]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def greedy(spec=None, stack=True):
+        monkeypatch.setattr(llama, "stack_arguments", arguments if stack else lambda layers: None)
+        engine = Engine(model, None, spec, EngineConfig(dtype="float32", max_num_seqs=4))
+        return [o.token_ids for o in LLM.from_engine(engine).generate(prompts, params)]
+
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=7, prompt_lookup_max=3, speculation_guard=False)
+    layers = greedy(stack=False)
+    stacks.clear()
+    assert greedy() == layers and greedy(ngram) == layers
+    assert any(s is not None for s in stacks)

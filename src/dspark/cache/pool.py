@@ -56,6 +56,11 @@ class BatchStore:
         write slot of every new row [B·T], the read slots [B, S])."""
         return self.pool[self.layer_offset + layer], self._flat_writes, self.read_slots
 
+    def pool_and_slots(self) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]:
+        """For a native stack of layers that writes and reads the pool itself: (the pool [layers, N_slots, W], the
+        pool layer of this view's layer 0, the write slot of every new row [B·T], the read slots [B, S])."""
+        return self.pool, self.layer_offset, self._flat_writes, self.read_slots
+
     def paged_attention(
         self, layer: int, q: torch.Tensor, bias: torch.Tensor, n_kv: int, v_off: int, scale: float
     ) -> torch.Tensor | None:

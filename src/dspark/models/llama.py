@@ -240,6 +240,28 @@ def _blocks(lin: QuantLinear) -> tuple[torch.Tensor, int, torch.Tensor | None]:
     return lin.qweight.blocks, QTYPES[lin.qweight.qtype], lin.bias_f32
 
 
+def stack_arguments(layers: Sequence[DecoderLayer]) -> tuple | None:
+    """gqa_stack's per-layer lists (norms, blocks, types, biases) and the shared settings (eps, heads, KV heads,
+    head size, scale, int8), when every layer would run as one native call (``native_weights``) with the same
+    settings, in pool order; else None."""
+    norms, blocks, types, biases, shared = [], [], [], [], None
+    for i, layer in enumerate(layers):
+        weights, attn = layer.native_weights(), layer.self_attn
+        if weights is None or attn.layer_idx != i:
+            return None
+        settings = (layer.input_layernorm.eps, attn.num_heads, attn.num_kv, attn.head_dim, attn.scale, weights[0].int8)
+        if shared not in (None, settings):
+            return None
+        shared = settings
+        norms += (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        for lin in weights:
+            blk, qtype, bias = _blocks(lin)
+            blocks.append(blk)
+            types.append(qtype)
+            biases.append(bias)
+    return (norms, blocks, types, biases, shared) if shared is not None else None
+
+
 class LlamaTarget(DecoderTarget):
     """Llama / Qwen2 / Qwen3 decoder over a batch of sequences with a paged K/V cache (a ``Target``)."""
 
@@ -254,6 +276,38 @@ class LlamaTarget(DecoderTarget):
     def page_format(self) -> PageFormat:
         cfg = self.config
         return PageFormat("gqa", 2 * cfg.num_key_value_heads * cfg.head_dim, cfg.num_hidden_layers)
+
+    def native_stack(
+        self, h: torch.Tensor, cos2, sin2, mask, cache: CacheView | None, taps: list[int]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """Every layer in one native call (``gqa_stack``: each layer's ``gqa_layer``, one dispatch per forward instead
+        of a Python call per layer) where every layer would take its native call; (h, the tapped layers' outputs),
+        or None (the layers run one by one)."""
+        B, T, _ = h.shape
+        stack_of = getattr(cache, "pool_and_slots", None)
+        ops = native.ops()
+        if (
+            stack_of is None
+            or ops is None
+            or not hasattr(ops, "gqa_stack")
+            or torch.is_grad_enabled()
+            or T > NATIVE_LAYER_ROWS
+            or B * T > DENSE_ROWS
+            or h.dtype != torch.float32
+            or mask is CAUSAL
+            or not h.is_contiguous()
+        ):
+            return None
+        args = stack_arguments(self.model.layers)
+        pool, offset, writes, slots = stack_of()
+        if args is None or pool.dtype != torch.float32 or mask.dtype != torch.float32:
+            return None
+        norms, blocks, types, biases, (eps, H, n_kv, hd, scale, int8) = args
+        with scope("layer"):
+            return ops.gqa_stack(
+                h, norms, eps, blocks, types, biases, cos2, sin2, pool, offset, writes, slots, mask[:, 0].contiguous(),
+                H, n_kv, hd, scale, int8, taps,
+            )  # fmt: skip
 
     def forward(
         self,
@@ -281,10 +335,16 @@ class LlamaTarget(DecoderTarget):
             h = self.model.embed_tokens(input_ids)
         wanted = set(tap_layers)
         taps = [h] if -1 in wanted else []
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos2, sin2, mask, cache)
-            if i in wanted:
-                taps.append(h)
+        tapped_layers = sorted(i for i in wanted if 0 <= i < len(self.model.layers))
+        stacked = self.native_stack(h, cos2, sin2, mask, cache, tapped_layers)
+        if stacked is not None:
+            h, tapped = stacked
+            taps += tapped
+        else:
+            for i, layer in enumerate(self.model.layers):
+                h = layer(h, cos2, sin2, mask, cache)
+                if i in wanted:
+                    taps.append(h)
         with scope("lm_head"):
             h = self.model.norm(h)
             return head_output(h, taps, logits_rows, self.compute_logits if compute_logits else None)

@@ -29,6 +29,7 @@
 #include <cstring>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -134,6 +135,39 @@ at::Tensor gqa_layer(const at::Tensor& h, const at::Tensor& ln1, const at::Tenso
   return h2;
 }
 
+// gqa_stack: every layer of a GGUF Llama/Qwen2 stack through gqa_layer in one call (one dispatch per forward instead
+// of one Python call, checks and argument marshalling per layer). Per layer l: norms[2l], norms[2l+1]; blocks,
+// types and biases [4l .. 4l+3] = q|k|v, o, gate|up, down; its pool plane pool[layer_offset + l]. Returns h after the
+// last layer and h after each layer listed in taps (ascending), the taps a drafter reads.
+std::tuple<at::Tensor, std::vector<at::Tensor>> gqa_stack(
+    const at::Tensor& h0, at::TensorList norms, double eps, at::TensorList blocks, at::IntArrayRef types,
+    const c10::List<std::optional<at::Tensor>>& biases, const at::Tensor& cos2, const at::Tensor& sin2,
+    const at::Tensor& pool, int64_t layer_offset, const at::Tensor& writes, const at::Tensor& slots,
+    const at::Tensor& bias, int64_t H, int64_t n_kv, int64_t hd, double scale, bool int8, at::IntArrayRef taps) {
+  const int64_t L = static_cast<int64_t>(norms.size()) / 2;
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * L && static_cast<int64_t>(blocks.size()) == 4 * L &&
+                  static_cast<int64_t>(types.size()) == 4 * L && static_cast<int64_t>(biases.size()) == 4 * L,
+              "gqa_stack: 2 norms and 4 products per layer");
+  TORCH_CHECK(pool.dim() == 3 && pool.is_contiguous() && layer_offset >= 0 && layer_offset + L <= pool.size(0),
+              "gqa_stack: the pool must be a contiguous [layers, N, W] holding layers ", layer_offset, " .. ",
+              layer_offset + L - 1);
+  at::Tensor h = h0;
+  std::vector<at::Tensor> out;
+  size_t next = 0;
+  for (int64_t l = 0; l < L; ++l) {
+    const OptT b0 = biases.get(4 * l), b1 = biases.get(4 * l + 1), b2 = biases.get(4 * l + 2), b3 = biases.get(4 * l + 3);
+    h = gqa_layer(h, norms[2 * l], norms[2 * l + 1], eps, blocks[4 * l], types[4 * l], b0, blocks[4 * l + 1],
+                  types[4 * l + 1], b1, blocks[4 * l + 2], types[4 * l + 2], b2, blocks[4 * l + 3], types[4 * l + 3],
+                  b3, cos2, sin2, pool.select(0, layer_offset + l), writes, slots, bias, H, n_kv, hd, scale, int8);
+    if (next < taps.size() && taps[next] == l) {
+      out.push_back(h);
+      ++next;
+    }
+  }
+  TORCH_CHECK(next == taps.size(), "gqa_stack: taps must be ascending layer indices below ", L);
+  return {h, out};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dspark_native, m) {
@@ -142,4 +176,8 @@ TORCH_LIBRARY_FRAGMENT(dspark_native, m) {
         "int down_type, Tensor? down_bias, Tensor cos2, Tensor sin2, Tensor(a!) plane, Tensor writes, Tensor slots, "
         "Tensor bias, int H, int n_kv, int hd, float scale, bool int8) -> Tensor");
   m.impl("gqa_layer", c10::DispatchKey::CPU, &gqa_layer);
+  m.def("gqa_stack(Tensor h, Tensor[] norms, float eps, Tensor[] blocks, int[] types, Tensor?[] biases, Tensor cos2, "
+        "Tensor sin2, Tensor(a!) pool, int layer_offset, Tensor writes, Tensor slots, Tensor bias, int H, int n_kv, "
+        "int hd, float scale, bool int8, int[] taps) -> (Tensor, Tensor[])");
+  m.impl("gqa_stack", c10::DispatchKey::CPU, &gqa_stack);
 }
