@@ -96,33 +96,40 @@ inline void round_all(float* v, int64_t n, WType t) {
   for (int64_t i = 0; i < n; ++i) v[i] = round_as(v[i], t);
 }
 
-// row[k] of a weight as fp32 (exact)
-inline float weight_at(const DenseW& W, int64_t n, int64_t k) {
-  const int64_t i = n * W.K + k;
-  if (W.t == WType::F32) return static_cast<const float*>(W.p)[i];
-  const uint16_t h = static_cast<const uint16_t*>(W.p)[i];
-  return W.t == WType::BF16 ? bf16_to_f(h) : f16_to_f(h);
+// element k of a weight row, widened exactly to fp32
+template <WType T>
+inline float widen(const void* row, int64_t k) {
+  if constexpr (T == WType::F32) return static_cast<const float*>(row)[k];
+  const uint16_t h = static_cast<const uint16_t*>(row)[k];
+  return T == WType::BF16 ? bf16_to_f(h) : f16_to_f(h);
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define DSPARK_DENSE512 1  // 16-lane row products (the masked 16-bit loads need AVX-512 BW and VL)
+
+// elements at .. at+15 of a weight row (lanes outside mask m: 0), widened exactly to fp32
+template <WType T>
+inline __m512 load16(const void* row, int64_t at, __mmask16 m) {
+  if constexpr (T == WType::F32) {
+    return _mm512_maskz_loadu_ps(m, static_cast<const float*>(row) + at);
+  } else {
+    const __m256i h = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(row) + at);
+    if constexpr (T == WType::BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+  }
+}
+#endif
 
 // Σ_k x[k]·w[k] over one weight row, in a fixed order
 template <WType T>
 inline float dot_row(const void* wrow, const float* x, int64_t K) {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(DSPARK_DENSE512)
   __m512 acc = _mm512_setzero_ps();
   int64_t k = 0;
-  auto load = [&](int64_t at, __mmask16 m) -> __m512 {
-    if constexpr (T == WType::F32) {
-      return _mm512_maskz_loadu_ps(m, static_cast<const float*>(wrow) + at);
-    } else {
-      const __m256i h = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(wrow) + at);
-      if constexpr (T == WType::BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-      return _mm512_cvtph_ps(h);
-    }
-  };
-  for (; k + 16 <= K; k += 16) acc = _mm512_fmadd_ps(load(k, 0xFFFF), _mm512_loadu_ps(x + k), acc);
+  for (; k + 16 <= K; k += 16) acc = _mm512_fmadd_ps(load16<T>(wrow, k, 0xFFFF), _mm512_loadu_ps(x + k), acc);
   if (k < K) {
     const __mmask16 m = static_cast<__mmask16>((1u << (K - k)) - 1);
-    acc = _mm512_fmadd_ps(load(k, m), _mm512_maskz_loadu_ps(m, x + k), acc);
+    acc = _mm512_fmadd_ps(load16<T>(wrow, k, m), _mm512_maskz_loadu_ps(m, x + k), acc);
   }
   return _mm512_reduce_add_ps(acc);
 #elif defined(DSPARK_AVX2)
@@ -142,29 +149,11 @@ inline float dot_row(const void* wrow, const float* x, int64_t K) {
     acc = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + k), acc);
   }
   float s = hsum256(acc);
-  for (; k < K; ++k) {
-    float w;
-    if constexpr (T == WType::F32)
-      w = static_cast<const float*>(wrow)[k];
-    else if constexpr (T == WType::BF16)
-      w = bf16_to_f(static_cast<const uint16_t*>(wrow)[k]);
-    else
-      w = f16_to_f(static_cast<const uint16_t*>(wrow)[k]);
-    s += w * x[k];
-  }
+  for (; k < K; ++k) s += widen<T>(wrow, k) * x[k];
   return s;
 #else
   float s = 0.0f;
-  for (int64_t k = 0; k < K; ++k) {
-    float w;
-    if constexpr (T == WType::F32)
-      w = static_cast<const float*>(wrow)[k];
-    else if constexpr (T == WType::BF16)
-      w = bf16_to_f(static_cast<const uint16_t*>(wrow)[k]);
-    else
-      w = f16_to_f(static_cast<const uint16_t*>(wrow)[k]);
-    s += w * x[k];
-  }
+  for (int64_t k = 0; k < K; ++k) s += widen<T>(wrow, k) * x[k];
   return s;
 #endif
 }

@@ -161,34 +161,6 @@ constexpr int kGroup = 8;
 using Lanes = __m256;
 inline Lanes lanes_zero() { return _mm256_setzero_ps(); }
 
-template <int QT>
-inline void deq_block(const uint8_t* blk, __m256 v[4]) {
-  const __m256 vd = _mm256_set1_ps(h2f(blk));
-  const uint8_t* q = blk + kQsOffset<QT>;
-  __m256 f[4];
-  if constexpr (QT == Q8_0) {
-    for (int i = 0; i < 4; ++i)
-      f[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i))));
-  } else {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-    const __m256i w0 = _mm256_cvtepu8_epi32(b), w1 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
-    const __m256i low = _mm256_set1_epi32(15);
-    f[0] = _mm256_cvtepi32_ps(_mm256_and_si256(w0, low));
-    f[1] = _mm256_cvtepi32_ps(_mm256_and_si256(w1, low));
-    f[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(w0, 4));
-    f[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(w1, 4));
-  }
-  const __m256 vm = _mm256_set1_ps(QT == Q4_1 ? h2f(blk + 2) : 0.0f);
-  for (int i = 0; i < 4; ++i) {
-    if constexpr (QT == Q8_0)
-      v[i] = _mm256_mul_ps(vd, f[i]);
-    else if constexpr (QT == Q4_0)
-      v[i] = _mm256_mul_ps(vd, _mm256_sub_ps(f[i], _mm256_set1_ps(8.0f)));
-    else
-      v[i] = _mm256_add_ps(_mm256_mul_ps(vd, f[i]), vm);
-  }
-}
-
 // The block's 32 quants as floats (Q4_0: q − 8, in integers), in value order 0-7, 8-15, 16-23, 24-31.
 template <int QT>
 inline void block_quants(const uint8_t* blk, __m256 f[4]) {
@@ -204,6 +176,17 @@ inline void block_quants(const uint8_t* blk, __m256 f[4]) {
     f[1] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(w1, low), off));
     f[2] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(w0, 4), off));
     f[3] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(w1, 4), off));
+  }
+}
+
+// The block's 32 values as the reference dequantizes them (d·q, d·(q − 8), d·q + m; q − 8 is exact either way)
+template <int QT>
+inline void deq_block(const uint8_t* blk, __m256 v[4]) {
+  block_quants<QT>(blk, v);
+  const __m256 vd = _mm256_set1_ps(h2f(blk)), vm = _mm256_set1_ps(QT == Q4_1 ? h2f(blk + 2) : 0.0f);
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_mul_ps(vd, v[i]);
+    if constexpr (QT == Q4_1) v[i] = _mm256_add_ps(v[i], vm);
   }
 }
 

@@ -43,25 +43,11 @@ DenseW head_rows(const at::Tensor& w, int64_t h) {
   return DenseW{static_cast<const uint8_t*>(w.data_ptr()) + h * N * K * esize, wtype_of(w, "mla_attend"), N, K};
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define MLA_AVX512 1
-template <WType T>
-inline __m512 load16(const void* row, int64_t at, __mmask16 m) {
-  if constexpr (T == WType::F32) {
-    return _mm512_maskz_loadu_ps(m, static_cast<const float*>(row) + at);
-  } else {
-    const __m256i h = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(row) + at);
-    if constexpr (T == WType::BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    return _mm512_cvtph_ps(h);
-  }
-}
-#endif
-
 // out[j] = Σ_k row[k]·x[j][k] for N query vectors against one latent row, each sum in dot_row's order (one lane
 // accumulator over k, then a fixed lane reduction): a query's score does not depend on its tile-mates
 template <WType T, int N>
 inline void dots(const void* row, const float* x, int64_t ldx, int64_t K, float* out) {
-#if defined(MLA_AVX512)
+#if defined(DSPARK_DENSE512)
   __m512 acc[N];
   for (int j = 0; j < N; ++j) acc[j] = _mm512_setzero_ps();
   int64_t k = 0;
@@ -85,7 +71,7 @@ template <WType T>
 void weighted_latents(const float* p, const uint8_t* kv, int64_t S, int64_t W, int64_t C, float* o) {
   const int64_t esize = T == WType::F32 ? 4 : 2;
   int64_t c = 0;
-#if defined(MLA_AVX512)
+#if defined(DSPARK_DENSE512)
   for (; c < C; c += 64) {  // 4 registers of outputs held across all latent rows
     const int64_t n = std::min<int64_t>(64, C - c);
     __mmask16 m[4];
@@ -108,14 +94,7 @@ void weighted_latents(const float* p, const uint8_t* kv, int64_t S, int64_t W, i
     if (p[s] == 0.f) continue;
     const uint8_t* row = kv + s * W * esize;
     for (c = 0; c < C; ++c) {
-      float v;
-      if constexpr (T == WType::F32)
-        v = reinterpret_cast<const float*>(row)[c];
-      else if constexpr (T == WType::BF16)
-        v = bf16_to_f(reinterpret_cast<const uint16_t*>(row)[c]);
-      else
-        v = f16_to_f(reinterpret_cast<const uint16_t*>(row)[c]);
-      o[c] = o[c] + p[s] * v;
+      o[c] = o[c] + p[s] * widen<T>(row, c);
     }
   }
 #endif

@@ -53,18 +53,7 @@ struct Act {
   }
 };
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-template <WType T>
-inline __m512 load16(const void* wrow, int64_t at, __mmask16 m) {
-  if constexpr (T == WType::F32) {
-    return _mm512_maskz_loadu_ps(m, static_cast<const float*>(wrow) + at);
-  } else {
-    const __m256i h = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(wrow) + at);
-    if constexpr (T == WType::BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    return _mm512_cvtph_ps(h);
-  }
-}
-
+#if defined(DSPARK_DENSE512)
 // dense_rows' arithmetic (each output: one 16-lane FMA chain over k, then the lane reduction: bit for bit
 // dot_row), four weight rows at a time so four independent chains hide the FMA latency, every row alone
 template <WType T>
@@ -106,7 +95,7 @@ void rows4(const DenseW& W, const float* x, int64_t M, int64_t ldx, float* y, in
 
 // dense_rows (dense.h), faster where AVX-512 allows: the same sums, bit for bit
 void dense(const DenseW& W, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy) {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(DSPARK_DENSE512)
   if (at::get_num_threads() == 1) {
     if (W.t == WType::F32) return rows4<WType::F32>(W, x, M, ldx, y, ldy);
     if (W.t == WType::BF16) return rows4<WType::BF16>(W, x, M, ldx, y, ldy);
