@@ -65,6 +65,18 @@ def add_threads_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_device_arg(p: argparse.ArgumentParser, dest: str = "device") -> None:
+    """``--device auto|cpu|cuda``: where a training-side command runs its tensors (``dspark.device``)."""
+    p.add_argument(
+        "--device",
+        dest=dest,
+        default=None,
+        metavar="auto|cpu|cuda",
+        help="where the tensors live: auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda or cuda:N; on CUDA "
+        "the PyTorch path runs with bf16 autocast (the native kernels are CPU-only)",
+    )
+
+
 def add_precision_args(p: argparse.ArgumentParser) -> None:
     """``--dtype`` and ``--quantization``, defaults from ``EngineConfig`` ("auto": chosen for the machine and model,
     see dspark.precision)."""

@@ -90,14 +90,20 @@ class PagedPool:
     """The tensor side of the paged cache (the allocator/block tables are in ``allocator.py``)."""
 
     def __init__(
-        self, num_layers: int, num_pages: int, page_size: int, width: int, dtype: torch.dtype = torch.bfloat16
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        width: int,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
     ) -> None:
         self.num_layers = num_layers
         self.num_pages = num_pages  # usable pages; one extra scratch page follows them
         self.page_size = page_size
         self.width = width
         self.dtype = dtype
-        self.pool = torch.zeros(num_layers, (num_pages + 1) * page_size, width, dtype=dtype)
+        self.pool = torch.zeros(num_layers, (num_pages + 1) * page_size, width, dtype=dtype, device=device)
 
     @property
     def scratch_slot(self) -> int:

@@ -165,23 +165,26 @@ def mark_random_weights(model_dir: str | Path) -> None:
 
 def tiny_gqa_config(model_type: str = "llama", vocab_size: int = 96, num_layers: int = 4) -> GQATargetConfig:
     """4 query heads over 2 KV heads of 8: pages of 2·2·8 = 32 values per token per layer."""
-    return GQATargetConfig.from_dict(
-        {
-            "model_type": model_type,
-            "vocab_size": vocab_size,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": num_layers,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 8,
-            "max_position_embeddings": 512,
-            "rope_theta": 10000.0,
-            "tie_word_embeddings": model_type == "llama",
-            "bos_token_id": 0,
-            "eos_token_id": 1,
-        }
-    )
+    return GQATargetConfig.from_dict(tiny_gqa_raw(model_type, vocab_size, num_layers))
+
+
+def tiny_gqa_raw(model_type: str = "llama", vocab_size: int = 96, num_layers: int = 4) -> dict[str, Any]:
+    """The config.json of ``tiny_gqa_config``."""
+    return {
+        "model_type": model_type,
+        "vocab_size": vocab_size,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "max_position_embeddings": 512,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": model_type == "llama",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    }
 
 
 def tiny_gqa_draft_config(
@@ -217,6 +220,22 @@ def build_tiny_gqa_pair(
 ) -> tuple[LlamaTarget, DSparkDrafter]:
     tcfg = target_cfg or tiny_gqa_config()
     return _randomized_pair(LlamaTarget(tcfg), draft_cfg or tiny_gqa_draft_config(tcfg), seed)
+
+
+def write_tiny_gqa_pair(directory: str | Path, seed: int = 0) -> tuple[Path, Path]:
+    """A tiny random Llama target (HF layout: config.json + model.safetensors, tied embeddings) and its Qwen3DSpark
+    drafter as ``<dir>/target`` and ``<dir>/draft``."""
+    from dspark.checkpoint.io import save_state_dict
+
+    raw = tiny_gqa_raw()
+    target, drafter = build_tiny_gqa_pair(seed, target_cfg=GQATargetConfig.from_dict(raw))
+
+    def save(model: Any, path: Path) -> None:
+        state = {k: v for k, v in model.state_dict().items() if not k.startswith("rotary.") and k != "lm_head.weight"}
+        save_state_dict(state, path)
+        (path / "config.json").write_text(json.dumps(raw | {"architectures": ["LlamaForCausalLM"]}, indent=2))
+
+    return _save_pair(Path(directory), target, drafter, save)
 
 
 # ---- hybrid KDA + MLA (Kimi Linear / K3-shaped) targets with the MLA drafter ----------------------------------

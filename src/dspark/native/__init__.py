@@ -40,6 +40,7 @@ __all__ = [
     "build",
     "build_dir",
     "cpu_key",
+    "disable",
     "enabled",
     "inference_ops",
     "ops",
@@ -69,7 +70,16 @@ _state: dict[str, Any] = {}  # "ops": the namespace once loaded; "error": why no
 
 
 def enabled() -> bool:
+    """False when ``DSPARK_NATIVE=0`` or when this process runs its models off the CPU (``disable``)."""
+    if "off" in _state:
+        return False
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def disable(reason: str) -> None:
+    """Turn the kernels off for the rest of this process (they are CPU-only: a process whose models live on an
+    accelerator runs the PyTorch reference path); ``status()`` then says why."""
+    _state["off"] = reason
 
 
 def cpu_key() -> str:
@@ -195,6 +205,8 @@ def available() -> bool:
 
 def status() -> str:
     """One line saying which kernels run: the compiled path and the build directory, or why there are none."""
+    if "off" in _state:
+        return f"native kernels off ({_state['off']})"
     if not enabled():
         return f"native kernels off ({ENV}=0)"
     o = ops()

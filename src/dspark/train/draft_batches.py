@@ -5,7 +5,7 @@ row)), so a resume needs no RNG state and any rank/micro-batch split sees the sa
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 
 import numpy as np
@@ -69,6 +69,13 @@ class BlockBatch:
     block_ids: torch.Tensor  # [B, A, K] = [x_a, MASK × (K−1)]
     labels: torch.Tensor  # [B, A, K] x_{a+1..a+K} (0 past the end)
     eval_mask: torch.Tensor  # [B, A, K] bool, contiguous prefix per block
+
+    def to(self, device: torch.device) -> BlockBatch:
+        """The same batch with every tensor on ``device`` (built on the host, copied without waiting)."""
+        if device.type == "cpu":
+            return self
+        moved = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sample_ids"}
+        return replace(self, **{k: v.pin_memory().to(device, non_blocking=True) for k, v in moved.items()})
 
 
 def make_block_batch(

@@ -19,7 +19,7 @@ import sys
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 
-from dspark.cli_common import float_list, int_list
+from dspark.cli_common import add_device_arg, float_list, int_list
 from dspark.config import DTYPES
 
 # ---- draft-data ------------------------------------------------------------------------------------------
@@ -130,13 +130,15 @@ def cmd_prepare_features(args: argparse.Namespace) -> int:
     import torch
 
     from dspark.checkpoint.resolve import resolve_model_ref
+    from dspark.device import resolve_device
     from dspark.models.loading import load_target
     from dspark.train.draft_config import spread_taps
     from dspark.train.features import prepare_features
     from dspark.train.regenerate import TRAIN_FILE, VALIDATION_FILE, DraftDataset
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    target = load_target(resolve_model_ref(args.target_dir, role="prepare-features --target"), "float32")
+    device = resolve_device(args.device or "auto")
+    target = load_target(resolve_model_ref(args.target_dir, role="prepare-features --target"), "float32").to(device)
     taps = args.taps or spread_taps(target.config.num_hidden_layers, args.num_taps)
     data = Path(args.data_dir)
     out_root = Path(args.feature_dir) if args.feature_dir else data / "features"
@@ -179,6 +181,7 @@ def add_prepare_features(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--feature-dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--no-autocast", action="store_true", help="fp32 target forward (default: bf16 autocast)")
     p.add_argument("--feature-chunk", type=int, default=None, help="run the target N tokens at a time (bounded memory)")
+    add_device_arg(p)
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_prepare_features)
@@ -243,6 +246,8 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         overrides.setdefault("out_dir", "runs/dflash")
     if args.no_autocast:
         overrides["autocast_bf16"] = False
+    if args.device is not None:
+        overrides["device"] = args.device
     resume = args.resume
     if args.run is not None:
         try:
@@ -315,6 +320,7 @@ def add_train_draft(sub: argparse._SubParsersAction) -> None:
         p.add_argument(flag, dest=fld, type=typ, default=None, help=text)
     p.add_argument("--dflash", action="store_true", help="DFlash baseline: markov_rank 0, no confidence, CE only")
     p.add_argument("--no-autocast", action="store_true", help="fp32 forward (default: bf16 autocast)")
+    add_device_arg(p)
     p.add_argument("--resume", action="store_true", help="continue from OUT_DIR/checkpoint/last.pt")
     p.add_argument(
         "--run",

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from dspark.config import DraftConfig, GQATargetConfig, KimiLinearConfig, TargetConfig
+from dspark.device import DEVICES
 from dspark.train.loss import LossWeights
 
 MASK_ID = 3  # dspark.train.tokenizer: <|mask|>
@@ -157,6 +158,7 @@ class DraftTrainConfig:
     loss_chunk_elements: int = 1 << 28  # logits per loss chunk (larger: more memory, no recompute in backward)
     seed: int = 42
     num_threads: int | None = None
+    device: str = "auto"  # auto | cpu | cuda[:N] (dspark.device); not a shape field: a run may resume elsewhere
     # bookkeeping
     eval_interval: int = 200
     eval_max_samples: int | None = None
@@ -174,6 +176,8 @@ class DraftTrainConfig:
     def __post_init__(self) -> None:
         if self.features not in ("online", "offline"):
             raise ValueError(f"DraftTrainConfig.features = {self.features!r}: use 'online' or 'offline'")
+        if self.device.split(":", 1)[0] not in DEVICES:
+            raise ValueError(f"DraftTrainConfig.device = {self.device!r}: use one of {', '.join(DEVICES)} (or cuda:N)")
         positive = ("batch_size", "num_anchors", "block_size", "eval_interval", "ckpt_interval", "log_interval")
         if self.prompt_anchors < 0:
             raise ValueError(f"DraftTrainConfig.prompt_anchors = {self.prompt_anchors}: must be >= 0")

@@ -23,26 +23,26 @@ class MetricSums:
         if self.values is None:
             self.values = torch.zeros(7 + 2 * self.K, dtype=torch.float64)
 
-    def add(self, res: DSparkLoss, eval_mask: torch.Tensor, weights: LossWeights, denom: float) -> None:
+    def add(
+        self, res: DSparkLoss, eval_mask: torch.Tensor, weights: LossWeights, denom: torch.Tensor | float
+    ) -> None:
+        """Accumulate one micro-batch. Tensor arithmetic only, on the batch's device (no host sync: an accelerator
+        keeps running until ``summary`` reads the sums)."""
         K = self.K
         m = eval_mask.bool()
-        w = (position_weights(K, weights.decay_gamma) * m).sum().double()
+        if self.values.device != m.device:
+            self.values = self.values.to(m.device)
+        w = (position_weights(K, weights.decay_gamma, m.device) * m).sum().double()
         c = res.accept_target.double()
         blocks = m[..., 0]
         tau = ((1 + torch.cumprod(c, -1).sum(-1)) * blocks).sum()
-        v = self.values
-        v[0] += w
-        v[1] += float(res.ce.detach()) * denom
-        v[2] += float(res.l1.detach()) * denom
-        v[3] += float(res.confidence.detach()) * denom
-        v[4] += float(blocks.sum())
-        v[5] += float(tau)
-        v[6] += float(res.kl.detach()) * denom
-        v[7 : 7 + K] += c.sum((0, 1))
-        v[7 + K :] += m.sum((0, 1)).double()
+        d = torch.as_tensor(denom, dtype=torch.float64, device=m.device)
+        terms = torch.stack([res.ce.detach(), res.l1.detach(), res.confidence.detach(), res.kl.detach()]).double() * d
+        head = torch.stack([w, terms[0], terms[1], terms[2], blocks.sum().double(), tau.double(), terms[3]])
+        self.values += torch.cat([head, c.sum((0, 1)), m.sum((0, 1)).double()])
 
     def summary(self, weights: LossWeights) -> dict[str, Any]:
-        K, v = self.K, self.values
+        K, v = self.K, self.values.cpu()
         w = max(float(v[0]), 1e-12)
         ce, l1, conf, kl = float(v[1]) / w, float(v[2]) / w, float(v[3]) / w, float(v[6]) / w
         loss = weights.ce * ce + weights.l1 * l1 + weights.confidence * conf + weights.kl * kl

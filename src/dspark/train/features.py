@@ -73,6 +73,8 @@ def target_features(
     run sequences longer than that many tokens chunk by chunk over a latent cache (bounded memory). ``lengths``
     [B]: the unpadded lengths; rows of unequal length then run one by one at their own length (the padding costs
     nothing; rows past a length are zero), which is what a batch of mixed-length conversations needs."""
+    if input_ids.device.type != "cpu" and lengths is not None:
+        return _padded_features(target, input_ids, tap_layers, feature_dtype, autocast, absorbed, chunk, lengths)
     if lengths is not None and input_ids.shape[0] > 1 and bool((lengths != lengths[0]).any()):
         rows = [
             target_features(target, input_ids[b : b + 1, :n], tap_layers, feature_dtype, autocast, absorbed, chunk)
@@ -85,7 +87,7 @@ def target_features(
             hidden=torch.cat([torch.nn.functional.pad(f.hidden, p) for f, p in zip(rows, pad)]),
         )
     _, tdtype = _dtypes(feature_dtype)
-    with bf16_autocast(autocast):
+    with bf16_autocast(autocast, input_ids.device):
         if chunk is not None and input_ids.shape[1] > chunk:
             taps, hidden = _chunked_forward(target, input_ids, tuple(tap_layers), chunk, absorbed)
         else:
@@ -93,6 +95,26 @@ def target_features(
             assert out.taps is not None
             taps, hidden = out.taps, out.hidden
     return Features(taps=taps.to(tdtype), hidden=hidden.to(tdtype))
+
+
+def _padded_features(
+    target: nn.Module,
+    input_ids: torch.Tensor,
+    tap_layers: Sequence[int],
+    feature_dtype: str,
+    autocast: bool,
+    absorbed: bool,
+    chunk: int | None,
+    lengths: torch.Tensor,
+) -> Features:
+    """An accelerator's form of mixed lengths: the whole right-padded batch in one forward (the causal target never
+    lets a row see the padding after it), then every row past its length set to zero as the CPU form leaves it.
+    No host sync: ``lengths`` may live on the device."""
+    feats = target_features(target, input_ids, tap_layers, feature_dtype, autocast, absorbed, chunk)
+    S = input_ids.shape[1]
+    valid = (torch.arange(S, device=input_ids.device)[None, :] < lengths.to(input_ids.device)[:, None])[..., None]
+    zero = torch.zeros((), dtype=feats.taps.dtype, device=input_ids.device)
+    return Features(taps=torch.where(valid, feats.taps, zero), hidden=torch.where(valid, feats.hidden, zero))
 
 
 def _chunked_forward(
@@ -108,7 +130,7 @@ def _chunked_forward(
     B, S = input_ids.shape
     fmt = target.page_format
     dtype = fmt.dtype or next(target.parameters()).dtype
-    pool = PagedPool(fmt.num_layers, B, S, fmt.width, dtype)  # page b = sequence b; its slot b·S + p = position p
+    pool = PagedPool(fmt.num_layers, B, S, fmt.width, dtype, input_ids.device)  # page b = sequence b: slot b·S + p
     base = torch.arange(B, device=input_ids.device)[:, None] * S
     taps, hidden = [], []
     for s in range(0, S, chunk):
@@ -127,7 +149,7 @@ def _chunked_forward(
 def target_logits_at(lm_head: nn.Module, hidden: torch.Tensor, rows: torch.Tensor, autocast: bool) -> torch.Tensor:
     """Target next-token logits fp32 [B, N, V] at row indices rows [B, N] of hidden [B, S, D]."""
     picked = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1]))
-    with bf16_autocast(autocast):
+    with bf16_autocast(autocast, hidden.device):
         w = lm_head.weight
         return lm_head(picked.to(w.dtype)).float()
 
@@ -265,13 +287,15 @@ def prepare_features(
     lengths = dataset.lengths()
     batches = _length_batches(lengths, batch_tokens)
     writer = FeatureWriter(out_dir, feature_dtype, max_shard_bytes)
+    device = next(target.parameters()).device  # the ids go where the target is; the cache is written from the host
     try:
         for bi, batch in enumerate(batches):
             ids = torch.zeros(len(batch), int(lengths[batch].max()), dtype=torch.long)
             for r, i in enumerate(batch):
                 x, _ = dataset[i]
                 ids[r, : x.size] = torch.from_numpy(x)
-            feats = target_features(target, ids, tap_layers, feature_dtype, autocast, chunk=chunk)
+            feats = target_features(target, ids.to(device), tap_layers, feature_dtype, autocast, chunk=chunk)
+            feats = Features(taps=feats.taps.cpu(), hidden=feats.hidden.cpu())
             for r, i in enumerate(batch):
                 L = int(lengths[i])
                 writer.write(i, feats.taps[r, :L], feats.hidden[r, :L])

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from dspark.device import autocast
 from dspark.train.checkpoint import checkpoint_path
 
 HORIZON_MARGIN = 0.97  # fraction of the remaining budget a derived horizon plans to use
@@ -67,9 +68,9 @@ def lr_at(step: int, cfg: ScheduleConfig, max_steps: int | None) -> float:
     return warmup_cosine(step, cfg.lr, cfg.warmup_for(max_steps), max_steps, cfg.min_lr_ratio)
 
 
-def bf16_autocast(enabled: bool) -> torch.autocast:
-    """The CPU bf16 autocast region of training forwards (a no-op when not ``enabled``)."""
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
+def bf16_autocast(enabled: bool, device: torch.device | str = "cpu") -> torch.autocast:
+    """The bf16 autocast region of training forwards on ``device`` (a no-op when not ``enabled``)."""
+    return autocast(device, enabled)
 
 
 @contextmanager

