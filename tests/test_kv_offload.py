@@ -412,3 +412,33 @@ def test_cache_report_lines_and_bytes_per_token(family, tmp_path):
     assert f"per-head K/V would be {per_head * 4}" in text
     if family == "hybrid":
         assert "of recurrent state per block with a snapshot" in text
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_the_disk_tier_goes_with_a_server_that_is_stopped(sig, tmp_path):
+    """A real `dspark serve` process with a disk tier, stopped by a signal as a supervisor stops it: its tier
+    directory is gone once the process has exited (uvicorn re-raises the signal after its shutdown, so only an
+    explicit close at shutdown removes it)."""
+    import signal
+    import subprocess
+    import sys
+
+    from dspark.models.tiny import write_tiny_pair
+    from test_pd_disagg import free_port, wait_up
+
+    target, _ = write_tiny_pair(tmp_path / "pair", seed=0)
+    kv, port = tmp_path / "kv", free_port()
+    cmd = [sys.executable, "-m", "dspark.cli", "serve", str(target), "--no-spec", "--dtype", "float32"]
+    cmd += ["--port", str(port), "--log-level", "warning", "--enable-prefix-caching", "--kv-offload-dir", str(kv)]
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, env=os.environ | {"DSPARK_NUM_THREADS": "1"}, stdout=out, stderr=out)
+    try:
+        wait_up(proc, log, f"http://127.0.0.1:{port}")
+        assert list(kv.glob(f"{offload.DIR_PREFIX}*")), log.read_text()
+        proc.send_signal(getattr(signal, sig))
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not list(kv.glob(f"{offload.DIR_PREFIX}*")), log.read_text()

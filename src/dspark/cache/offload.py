@@ -253,7 +253,15 @@ class DiskTier(_Tier):
             self._disable(f"cannot create a directory under {self.root} ({e})")
             return
         self.writable = True
-        weakref.finalize(self, shutil.rmtree, self.dir, True)
+        self._remove = weakref.finalize(self, shutil.rmtree, self.dir, True)
+
+    def close(self) -> None:
+        """Remove the tier's directory now (what a clean shutdown does; the finalizer covers a plain exit)."""
+        self.writable = False
+        self.index.clear()
+        self.bytes = 0
+        if self.dir is not None:
+            self._remove()
 
     def _disable(self, why: str) -> None:
         self.stats.write_errors += 1
@@ -342,6 +350,11 @@ class OffloadStore:
         self.stats = stats or OffloadStats()
         self.cpu = CpuTier(cpu_bytes, self.stats) if cpu_bytes > 0 else None
         self.disk = DiskTier(disk_dir, disk_bytes, self.stats) if disk_dir is not None else None
+
+    def close(self) -> None:
+        """Give up the tiers: the disk tier's directory is removed (the engine is shutting down)."""
+        if self.disk is not None:
+            self.disk.close()
 
     @property
     def tiers(self) -> list[CpuTier | DiskTier]:

@@ -55,6 +55,11 @@ class PrefixCaching:
             if self.offload is not None:
                 self.offload.snapshots = self.snapshots
 
+    def close(self) -> None:
+        """Release what outlives the requests: the offload tiers (the disk tier's directory is removed)."""
+        if self.offload is not None:
+            self.offload.store.close()
+
     @property
     def offload_stats(self) -> OffloadStats | None:
         return self.offload.stats if self.offload is not None else None

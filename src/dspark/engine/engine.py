@@ -221,6 +221,12 @@ class Engine:
         self._finish(req, "abort")
         self.metrics.num_requests_aborted += 1
 
+    def close(self) -> None:
+        """Shutting down: release what outlives the requests (the KV offload's disk tier is removed now, whatever
+        the process does next: a server re-raises the signal it stopped on, and then no exit handler runs)."""
+        if self.prefix is not None:
+            self.prefix.close()
+
     # ---- the loop --------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         with scope("step.schedule"):

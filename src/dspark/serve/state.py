@@ -50,6 +50,7 @@ class ServerState:
 
     def shutdown(self) -> None:
         self.async_engine.shutdown()
+        self.engine.close()
         if self._tokenizer_thread is not None:
             self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
             self._tokenizer_thread = None

@@ -106,7 +106,7 @@ def run(cfg: DeviceTrainConfig) -> dict[str, Any]:
     before = {p.name for p in data.glob("*.npz")}
     summary: dict[str, Any] = {"config": asdict(cfg), "device": device_name(device), "torch": _torch_version()}
     say(f"{summary['device']}, budget {cfg.budget_minutes} min, data {len(before)} shards")
-    if cfg.prompts_file:
+    if cfg.prompts_file and cfg.regen_share > 0:
         summary["regen"] = regenerate(cfg, data, cfg.regen_share * cfg.budget_minutes)
     merge(data)
     new = sorted({p.name for p in data.glob("*.npz")} - before - {"train.npz", "validation.npz"})
