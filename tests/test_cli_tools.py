@@ -10,7 +10,8 @@ from pathlib import Path
 from cli_helpers import run
 
 
-def test_train_target_tiny_runs_from_an_empty_directory(tmp_path: Path) -> None:
+def test_the_tiny_smoke_path_runs_from_an_empty_directory(tmp_path: Path) -> None:
+    """train-target --tiny, draft-data --tiny, train-draft --tiny, check, generate: each as a user runs it."""
     p = run(tmp_path, "train-target", "--tiny", "--quiet", "--json")
     assert p.returncode == 0, p.stderr
     result = json.loads(p.stdout)
@@ -19,6 +20,23 @@ def test_train_target_tiny_runs_from_an_empty_directory(tmp_path: Path) -> None:
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {f.name for f in export.iterdir()}
     assert (tmp_path / "runs" / "data" / "tiny" / "train.npy").is_file()
     assert "building a small corpus" in p.stderr
+
+    # the drafter's smoke path continues from there, each step finding what the one before wrote (docs/training.md)
+    p = run(tmp_path, "draft-data", "--tiny", "--quiet", "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["train_samples"] > 0 and (tmp_path / "runs" / "tiny-draft-data" / "train.npz").is_file()
+    p = run(tmp_path, "train-draft", "--tiny", "--quiet", "--json")
+    assert p.returncode == 0, p.stderr
+    draft = tmp_path / json.loads(p.stdout)["export_dir"]
+    p = run(tmp_path, "check", str(draft), "--target", str(export))
+    assert p.returncode == 0 and "checks passed" in p.stdout, p.stdout + p.stderr
+    spec = json.dumps({"method": "dspark", "model": str(draft)})
+    p = run(tmp_path, "generate", "def add(a, b):", "--model", str(export), "--speculative-config", spec,
+            "--max-tokens", "8", "--no-compare", "--json")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["num_output_tokens"] == 8
+    p = run(tmp_path, "train-draft", "--tiny", "--quiet")  # a second smoke run replaces the first
+    assert p.returncode == 0 and "replacing the earlier smoke run" in p.stderr, p.stderr
 
 
 def test_verify_lossless_tests_generates_default_dtype_and_says_which(tmp_path: Path) -> None:

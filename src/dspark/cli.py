@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dspark.cli_common import (
+    TINY_TARGET_DIR,
     add_kv_offload_args,
     add_precision_args,
     add_prefix_caching_arg,
@@ -21,6 +22,7 @@ from dspark.cli_common import (
     json_object,
     kv_offload_kwargs,
     model_or_demo,
+    tiny_data,
 )
 from dspark.config import ConfigError
 
@@ -200,8 +202,8 @@ def cmd_train_target(args: argparse.Namespace) -> int:
     default = kimi_k3_mini_config() if args.kimi_k3_mini else PretrainConfig()
     data_dir, out_dir = args.data_dir or default.data_dir, args.out_dir or default.out_dir
     if args.tiny:
-        data_dir = args.data_dir or _tiny_data(TINY_DATA_DIR)
-        out_dir = args.out_dir or ("runs/tiny-kimi-target" if args.kimi_k3_mini else "runs/tiny-target")
+        data_dir = args.data_dir or tiny_data()
+        out_dir = args.out_dir or ("runs/tiny-kimi-target" if args.kimi_k3_mini else TINY_TARGET_DIR)
         arch = {"architecture": default.architecture} if args.kimi_k3_mini else {}
         cfg = tiny_pretrain_config(data_dir, out_dir, **arch)
     else:
@@ -229,7 +231,6 @@ def cmd_train_target(args: argparse.Namespace) -> int:
     return 0
 
 
-TINY_DATA_DIR = "runs/data/tiny"  # what `train-target --tiny` trains on unless --data-dir is given
 PRETRAIN_DATA_FILES = ("train.npy", "validation.npy")  # what dspark.train.tokenizer writes and train-target reads
 
 
@@ -246,16 +247,6 @@ def _require_pretrain_data(data_dir: str) -> None:
         "--vocab-size 8192` (docs/training.md, steps 1-2), pass --data-dir DIR, or try `dspark train-target --tiny`, "
         "a seconds-long run that builds its own small data"
     )
-
-
-def _tiny_data(data_dir: str) -> str:
-    """The tiny run's data dir, built on first use (a sub-second stdlib sample and a 512-token BPE)."""
-    from dspark.train.tokenizer import build_tiny_data
-
-    if not (Path(data_dir) / "train.npy").is_file():
-        print(f"train-target --tiny: building a small corpus and tokenizer in {data_dir} (once)", file=sys.stderr)
-        build_tiny_data(data_dir)
-    return data_dir
 
 
 def add_train_target(sub: argparse._SubParsersAction) -> None:
@@ -448,7 +439,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(line, file=sys.stderr)
     for guard_line in guard_lines(engines[0]):
         print(guard_line, file=sys.stderr)
-    print("\n".join(cache_report_lines(engines[0].cache_report(REPORT_TOKENS))), file=sys.stderr)
+    report_tokens = min(REPORT_TOKENS, engines[0].max_model_len)  # a request the model can hold
+    print("\n".join(cache_report_lines(engines[0].cache_report(report_tokens))), file=sys.stderr)
     return 0
 
 
@@ -461,11 +453,30 @@ def guard_lines(engine) -> list[str]:
     return [f"speculation guard: {line}" for line in engine.guard.describe()]
 
 
-REPORT_TOKENS = 16384  # the request size whose cache bytes `generate` reports
+REPORT_TOKENS = 16384  # the request size whose cache bytes `generate` reports (the model's max_model_len if less)
+ROWS_WORD = {"mla": "latents", "gqa": "K/V rows", "tokens": "token ids"}  # what a page row holds, by page kind
 
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
+
+
+def _request_line(c: dict) -> str:
+    """One request's cache bytes in the family's terms; the comparison with a separate per-head draft cache only
+    where it differs from what the drafter holds."""
+    t, d, sep = c["request_target_bytes"], c["request_draft_bytes"], c["request_separate_draft_bytes"]
+    line = f"a {c['request_tokens']}-token request: target {ROWS_WORD.get(c['target_page_kind'], 'rows')} {_mib(t)}"
+    if not c["draft_page_kind"]:
+        return line
+    where = "same pages" if c["shared_pool"] else "pages of its own"
+    line += f", drafter {ROWS_WORD.get(c['draft_page_kind'], 'rows')} {_mib(d)} ({where})"
+    if sep == d:
+        return line
+    saved = 1 - (t + d) / (t + sep) if t + sep else 0.0
+    return line + (
+        f"; a separate per-head draft cache would take {_mib(sep)}: {_mib(t + d)} vs {_mib(t + sep)} in all "
+        f"({saved:.0%} less)"
+    )
 
 
 def cache_report_lines(c: dict) -> list[str]:
@@ -480,16 +491,8 @@ def cache_report_lines(c: dict) -> list[str]:
         f"KV cache: {pages} pages of {c['page_size']} tokens; "
         f"bytes/token: target {c['target_bytes_per_token']}, draft {c['draft_bytes_per_token']}"
     ]
-    if "request_tokens" in c and c["draft_page_kind"]:
-        t, d, sep = c["request_target_bytes"], c["request_draft_bytes"], c["request_separate_draft_bytes"]
-        saved = 1 - (t + d) / (t + sep) if t + sep else 0.0
-        lines.append(
-            f"a {c['request_tokens']}-token request: target latents {_mib(t)}, drafter latents {_mib(d)} "
-            f"(same pages); a separate per-head draft cache would take {_mib(sep)}: "
-            f"{_mib(t + d)} vs {_mib(t + sep)} in all ({saved:.0%} less)"
-        )
-    elif "request_tokens" in c:
-        lines.append(f"a {c['request_tokens']}-token request: target latents {_mib(c['request_target_bytes'])}")
+    if "request_tokens" in c:
+        lines.append(_request_line(c))
     if c.get("state_bytes_per_request"):
         lines.append(
             f"recurrent state (KDA layers): {_mib(c['state_bytes_per_request'])} per request, whatever its length "

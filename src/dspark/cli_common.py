@@ -12,6 +12,30 @@ from typing import Any
 
 from dspark.config import ConfigError
 
+# the seconds-long smoke path from a clean checkout (docs/training.md): each --tiny command finds what the one before
+# it wrote: train-target --tiny → draft-data --tiny → train-draft --tiny → check / generate
+TINY_DATA_DIR = "runs/data/tiny"  # a small corpus (<split>.jsonl), its 512-token BPE and token arrays
+TINY_TARGET_DIR = "runs/tiny-target"  # train-target --tiny (the model in <dir>/export)
+TINY_DRAFT_DATA = "runs/tiny-draft-data"  # draft-data --tiny
+TINY_DRAFT_DIR = "runs/tiny-draft"  # train-draft --tiny (the drafter in <dir>/export)
+
+
+def tiny_data(data_dir: str = TINY_DATA_DIR) -> str:
+    """The tiny data dir, built on first use (a sub-second stdlib sample, its 512-token BPE, the corpus splits)."""
+    from dspark.train.tokenizer import build_tiny_data
+
+    if not all((Path(data_dir) / f).is_file() for f in ("train.npy", "train.jsonl", "validation.jsonl")):
+        print(f"--tiny: building a small corpus and tokenizer in {data_dir} (once)", file=sys.stderr)
+        build_tiny_data(data_dir)
+    return data_dir
+
+
+def require_tiny(path: str, command: str) -> str:
+    """``path`` when the previous step of the tiny path wrote it, else an error naming that step."""
+    if not Path(path).exists():
+        raise ConfigError(f"{path} does not exist yet; run `dspark {command}` first (the --tiny smoke path)")
+    return path
+
 
 def int_list(text: str) -> tuple[int, ...]:
     """argparse type for comma-separated integers, e.g. '1,4,16'."""

@@ -24,7 +24,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -268,7 +268,7 @@ class RegenerateConfig:
         if self.max_context is not None and self.max_context < self.max_prompt_tokens:
             raise ValueError(
                 f"RegenerateConfig.max_context = {self.max_context}: must be >= max_prompt_tokens "
-                f"({self.max_prompt_tokens})"
+                f"({self.max_prompt_tokens}); raise --max-context or lower --max-prompt-tokens"
             )
         if self.min_context is not None and not (
             self.max_context is not None and self.max_prompt_tokens <= self.min_context <= self.max_context
@@ -357,6 +357,25 @@ def draw_prompts(cfg: RegenerateConfig, encode: Callable[[str], list[int]]) -> t
     return train, corpus_prompts(texts("validation"), encode, cfg.num_val_prompts, seed=cfg.seed + 1, **kw)
 
 
+def fit_to_target(cfg: RegenerateConfig, max_model_len: int, say: Callable[[str], None]) -> RegenerateConfig:
+    """Short prompts and responses cut to what the target holds (half its positions for the prompt at most, the
+    rest for the response), said once; long prompts (``max_context``) are the user's explicit ask and must fit."""
+    longest = (cfg.max_context or cfg.max_prompt_tokens) + cfg.max_new_tokens
+    if longest <= max_model_len:
+        return cfg
+    if cfg.max_context is not None:
+        raise ValueError(
+            f"draft-data: prompts of up to {cfg.max_context} tokens + max_new_tokens {cfg.max_new_tokens} exceed "
+            f"the target's max_model_len {max_model_len}; lower --max-context or --max-new-tokens"
+        )
+    prompt = min(cfg.max_prompt_tokens, max_model_len // 2)
+    new = min(cfg.max_new_tokens, max_model_len - prompt)
+    shortest = min(cfg.min_prompt_tokens, max(1, prompt // 4))
+    fitted = replace(cfg, max_prompt_tokens=prompt, max_new_tokens=new, min_prompt_tokens=shortest)
+    say(f"draft-data: the target holds {max_model_len} positions: prompts of {shortest}-{prompt} tokens, {new} new")
+    return fitted
+
+
 def build_draft_dataset(cfg: RegenerateConfig) -> RegenerateResult:
     """Prompts from the corpus splits, responses from the target; writes train/validation .npz + manifest."""
     from dspark.llm import build_engine
@@ -367,12 +386,7 @@ def build_draft_dataset(cfg: RegenerateConfig) -> RegenerateResult:
     engine = build_engine(cfg.target_dir, None, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs, seed=cfg.seed)
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if cfg.progress else (lambda m: None)  # noqa: E731
 
-    longest = (cfg.max_context or cfg.max_prompt_tokens) + cfg.max_new_tokens
-    if longest > engine.max_model_len:
-        raise ValueError(
-            f"draft-data: prompts of up to {longest - cfg.max_new_tokens} tokens + max_new_tokens "
-            f"{cfg.max_new_tokens} exceed the target's max_model_len {engine.max_model_len}; lower --max-context"
-        )
+    cfg = fit_to_target(cfg, engine.max_model_len, say)
     encode = partial(engine.tokenizer.encode, add_special_tokens=False)  # text cut from inside a document: no BOS
     train_prompts, val_prompts = draw_prompts(cfg, encode)
     say(f"draft-data: {len(train_prompts)} train + {len(val_prompts)} validation prompts from {corpus}")

@@ -223,7 +223,8 @@ def build_tiny_data(
 ) -> TokenizedData:
     """A sub-second stand-in for ``corpus`` + ``tokenizer`` (what ``dspark train-target --tiny`` trains on): the
     standard library's top-level modules in name order, split as the full corpus splits them, until each split has
-    its bytes; a ``vocab_size`` BPE; train/validation/test ``.npy`` arrays and ``data_manifest.json`` in out_dir."""
+    its bytes; a ``vocab_size`` BPE; train/validation/test ``.npy`` arrays and ``data_manifest.json`` in out_dir,
+    and the documents themselves as the corpus step writes them (``<split>.jsonl``: what ``draft-data`` reads)."""
     import sysconfig
 
     from dspark.train.corpus import CorpusConfig, split_of
@@ -232,6 +233,7 @@ def build_tiny_data(
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     budget = {"train": train_bytes, "validation": validation_bytes, "test": validation_bytes}
     texts: dict[str, list[str]] = {split: [] for split in SPLITS}
+    names: dict[str, list[str]] = {split: [] for split in SPLITS}
     for path in sorted(stdlib.glob("*.py")):
         split = split_of(f"stdlib/{path.name}", cfg)
         if budget[split] <= 0 or path.stat().st_size > cfg.max_file_bytes:
@@ -241,13 +243,19 @@ def build_tiny_data(
         except (OSError, UnicodeDecodeError):
             continue
         texts[split].append(text)
+        names[split].append(f"stdlib/{path.name}")
         budget[split] -= len(text.encode("utf-8"))
         if all(b <= 0 for b in budget.values()):
             break
     for split in ("validation", "test"):  # a split the hash left short borrows the last training file
         if not texts[split]:
             texts[split].append(texts["train"][-1])
+            names[split].append(names["train"][-1])
     out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for split in SPLITS:
+        lines = (json.dumps({"path": n, "text": t}, ensure_ascii=False) for n, t in zip(names[split], texts[split]))
+        atomic_write_bytes(out / f"{split}.jsonl", ("\n".join(lines) + "\n").encode("utf-8"))
     t0 = time.perf_counter()
     tok = train_tokenizer(texts["train"], vocab_size=vocab_size)
     save_tokenizer(tok, out)
