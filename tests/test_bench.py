@@ -495,3 +495,14 @@ def test_peers_that_cannot_run_a_k3_hybrid_are_skipped_with_a_note(tmp_path):
     names = method_names(BenchConfig("d.jsonl", vllm_python="python"), res, notes)
     assert "vllm" not in names and "hf-generate" not in names and "ngram" in names
     assert any("vllm" in n and "skipped" in n for n in notes) and any("hf-generate" in n for n in notes)
+
+
+def test_default_baselines_include_the_guard_serve_runs():
+    """Without --baselines the bench compares every applicable method, the guarded DSpark that `serve` runs by
+    default among them."""
+    from dspark.bench.speed import BenchConfig, Resolved, method_names
+    from dspark.checkpoint.resolve import BUNDLED_DIR
+
+    res = Resolved(BUNDLED_DIR / "k3-mini", BUNDLED_DIR / "k3-mini-dspark", BUNDLED_DIR / "k3-mini-dflash", True, False)
+    names = method_names(BenchConfig("d.jsonl"), res, [])
+    assert names[:2] == ["ar", "dspark"] and {"dflash", "dspark-guard", "ngram"} <= set(names)

@@ -661,7 +661,7 @@ def _lossless_prompt_sets(args: argparse.Namespace, engine, depths: list[int]) -
     tok = engine.tokenizer
     prompts = read_bench_prompts(args.dataset, args.num_prompts, getattr(tok, "apply_chat_template", None))
     if not depths:
-        return [("prompts", [list(tok.encode(p.text, add_special_tokens=not p.is_chat)) for p in prompts])]
+        return [("", [list(tok.encode(p.text, add_special_tokens=not p.is_chat)) for p in prompts])]
     sources = read_sources(args.context_source) if args.context_source else read_sources()
     sets = []
     for depth in depths:
@@ -683,6 +683,7 @@ def _compare_outputs(label: str, ids: list[list[int]], ar_engine, spec_engine, m
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     ref = LLM.from_engine(ar_engine).generate(ids, params)
     got = LLM.from_engine(spec_engine).generate(ids, params)
+    where = f"{label} " if label else ""  # a context depth, or nothing for the prompts as given
     bad = 0
     for i, (a, b) in enumerate(zip(ref, got)):
         if a.token_ids != b.token_ids:
@@ -692,13 +693,14 @@ def _compare_outputs(label: str, ids: list[list[int]], ar_engine, spec_engine, m
                 min(len(a.token_ids), len(b.token_ids)),
             )
             a_ids, b_ids = a.token_ids[j : j + 5], b.token_ids[j : j + 5]
-            print(f"{label} prompt {i}: MISMATCH at output token {j}: target-only {a_ids} vs speculative {b_ids}")
+            print(f"{where}prompt {i}: MISMATCH at output token {j}: target-only {a_ids} vs speculative {b_ids}")
         else:
-            print(f"{label} prompt {i}: identical ({len(ids[i])} prompt tokens, {len(a.token_ids)} output tokens)")
+            print(f"{where}prompt {i}: identical ({len(ids[i])} prompt tokens, {len(a.token_ids)} output tokens)")
     drafts = sum(o.spec_metrics.get("num_drafts", 0) for o in got)
     accepted = sum(o.spec_metrics.get("num_accepted_tokens", 0) for o in got)
     tau = 1 + accepted / drafts if drafts else 0.0
-    print(f"{label}: {len(ids) - bad}/{len(ids)} prompts identical token by token; τ = {tau:.2f}")
+    head = f"{label}: " if label else ""
+    print(f"{head}{len(ids) - bad}/{len(ids)} prompts identical token by token; τ = {tau:.2f}")
     return bad
 
 

@@ -355,7 +355,8 @@ def _peer_cannot_run(target_dir: Path, peer: str, notes: list[str], methods: Seq
 
 
 def _applicable(cfg: BenchConfig, res: Resolved, notes: list[str]) -> list[str]:
-    names = ["dflash"] if res.draft_dir is not None else []
+    # dspark-guard: DSpark as serve runs it by default (the guard hands the lead to plain steps when drafting loses)
+    names = ["dflash", "dspark-guard"] if res.draft_dir is not None else []
     names += ["ngram"] + ([] if _peer_cannot_run(res.target_dir, "transformers", notes, HF_METHODS) else [*HF_METHODS])
     if res.draft_dir is not None:
         if not read_draft_config(res.draft_dir).enable_confidence_head:
