@@ -27,7 +27,7 @@ def _drive(guard: SpeculationGuard, steps: int, draft_rate: float, plain_rate: f
 
 
 def test_guard_turns_drafting_off_when_plain_steps_are_faster_and_keeps_probing_less_often():
-    guard = SpeculationGuard(period=10, probe=2, warmup=3, max_period=40)
+    guard = SpeculationGuard(period=10, probe=2, warmup=3, max_period=40, cold=0)
     modes = _drive(guard, 150, draft_rate=2, plain_rate=3)
     assert modes[:3] == [True] * 3  # warm-up rounds, then the first probe of plain decoding
     assert modes[3:5] == [False, False]
@@ -41,7 +41,7 @@ def test_guard_turns_drafting_off_when_plain_steps_are_faster_and_keeps_probing_
 
 
 def test_a_probe_that_drafting_wins_brings_the_period_back():
-    guard = SpeculationGuard(period=4, probe=1, warmup=1, max_period=64, alpha=1.0)
+    guard = SpeculationGuard(period=4, probe=1, warmup=1, max_period=64, alpha=1.0, cold=0)
     _drive(guard, 60, draft_rate=1, plain_rate=3)  # plain leads; the wait has grown
     assert guard.buckets[1].period > 4
     modes = _drive(guard, 200, draft_rate=5, plain_rate=3)  # the text turned predictable
@@ -51,7 +51,7 @@ def test_a_probe_that_drafting_wins_brings_the_period_back():
 
 
 def test_drafting_takes_the_lead_back_only_by_the_margin():
-    guard = SpeculationGuard(period=4, probe=1, warmup=1, max_period=8, alpha=1.0, margin=0.1)
+    guard = SpeculationGuard(period=4, probe=1, warmup=1, max_period=8, alpha=1.0, margin=0.1, cold=0)
     _drive(guard, 20, draft_rate=10, plain_rate=20)  # plain leads
     near_tie = _drive(guard, 60, draft_rate=21, plain_rate=20)  # rounds 5 % faster: not worth leaving plain for
     assert near_tie.count(True) <= 60 // 4 and guard.drafting(1) is False
@@ -62,7 +62,7 @@ def test_drafting_takes_the_lead_back_only_by_the_margin():
 
 
 def test_drafting_that_stops_paying_hands_the_lead_back_at_once():
-    guard = SpeculationGuard(period=16, probe=1, warmup=1, max_period=16, alpha=0.5)
+    guard = SpeculationGuard(period=16, probe=1, warmup=1, max_period=16, alpha=0.5, cold=0)
     _drive(guard, 40, draft_rate=1, plain_rate=3)  # plain leads, drafting probed every 16 steps
     lucky = iter([12])  # the next probe round accepts a whole block: drafting wins the probe
     modes = []
@@ -76,7 +76,7 @@ def test_drafting_that_stops_paying_hands_the_lead_back_at_once():
 
 
 def test_guard_keeps_drafting_when_rounds_pay_and_decides_per_batch_size():
-    guard = SpeculationGuard(period=10, probe=2, warmup=3)
+    guard = SpeculationGuard(period=10, probe=2, warmup=3, cold=0)
     fast = _drive(guard, 60, draft_rate=5, plain_rate=1, batch=1)
     slow = _drive(guard, 60, draft_rate=1, plain_rate=5, batch=16)
     assert fast.count(False) <= 2 * (60 // 10 + 1) and fast[-1] is True
@@ -87,7 +87,7 @@ def test_guard_keeps_drafting_when_rounds_pay_and_decides_per_batch_size():
 
 
 def test_guard_follows_a_change_of_regime():
-    guard = SpeculationGuard(period=8, probe=2, warmup=2, alpha=0.5)
+    guard = SpeculationGuard(period=8, probe=2, warmup=2, alpha=0.5, cold=0)
     _drive(guard, 40, draft_rate=6, plain_rate=2)
     assert guard.drafting(1)
     modes = _drive(guard, 80, draft_rate=1, plain_rate=2)  # the text stopped being predictable
@@ -96,7 +96,7 @@ def test_guard_follows_a_change_of_regime():
 
 def test_guard_rejects_bad_settings():
     with pytest.raises(ValueError, match="period"):
-        SpeculationGuard(period=0)
+        SpeculationGuard(period=0, cold=0)
     with pytest.raises(ValueError, match="alpha"):
         SpeculationGuard(alpha=0.0)
 
@@ -126,7 +126,7 @@ def _greedy(spec: SpeculativeConfig | None, guard: SpeculationGuard | None = Non
 def test_guarded_speculation_emits_the_target_greedy_tokens(method):
     expected, _ = _greedy(None)
     spec = SpeculativeConfig(method=method, num_speculative_tokens=3, speculation_guard=True)
-    got, engine = _greedy(spec, SpeculationGuard(period=1, probe=1, warmup=1))  # switches modes every few steps
+    got, engine = _greedy(spec, SpeculationGuard(period=1, probe=1, warmup=1, cold=0))  # switches modes every few steps
     assert got == expected
     modes = [(b.draft.steps, b.plain.steps) for b in engine.guard.buckets.values()]
     assert sum(d for d, _ in modes) > 0 and sum(p for _, p in modes) > 0  # both kinds of step ran
@@ -279,3 +279,26 @@ def test_deferred_drafter_context_writes_what_immediate_injection_writes(caching
     for (tokens, pool), (ref_tokens, ref_pool) in zip(deferred, immediate):
         assert tokens == ref_tokens
         torch.testing.assert_close(pool, ref_pool, rtol=1e-5, atol=1e-5)
+
+
+def test_cold_first_steps_do_not_decide():
+    """The first rounds and plain steps of a bucket pay one-time costs (new shapes): they are left out of the rates,
+    so a drafter that pays once warm is not switched off by its slow first rounds."""
+
+    def run(cold: int) -> tuple[SpeculationGuard, list[bool]]:
+        guard, modes = SpeculationGuard(period=8, probe=2, warmup=4, cold=cold), []
+        for i in range(40):
+            drafting = guard.drafting(1)
+            modes.append(drafting)
+            seconds = 10.0 if i < 2 else 1.0  # the first two steps are cold (rounds: drafting leads first)
+            guard.observe(1, drafting, 3 if drafting else 1, seconds)
+        return guard, modes
+
+    guard, modes = run(cold=2)
+    assert guard.buckets[1].off_at is None and guard.buckets[1].leader_drafts
+    assert guard.buckets[1].draft.steps == sum(modes) - 2  # the cold rounds hold no weight
+    counted, _ = run(cold=0)  # counting them, the same steps switch drafting off at the first probe
+    assert counted.buckets[1].off_at is not None
+    assert SpeculationGuard(cold=0).cold == 0
+    with pytest.raises(ValueError):
+        SpeculationGuard(cold=-1)

@@ -326,7 +326,8 @@ def _timed_generate(engine, prompt: str | list[int], params) -> tuple[object, fl
     from dspark.llm import LLM
 
     llm = LLM.from_engine(engine)
-    llm.generate(prompt, _replace_max_tokens(params, 2))  # warm-up (first-call overheads)
+    # warm-up: the shapes a run will use (prefill, a few plain steps or rounds), so both timed runs are warm
+    llm.generate(prompt, _replace_max_tokens(params, max(2, min(params.max_tokens, 4 * (engine.K + 1)))))
     t0 = time.perf_counter()
     out = llm.generate(prompt, params)[0]
     if out.error is not None:

@@ -29,9 +29,13 @@ from dataclasses import dataclass, field
 class _Mode:
     tokens: float = 0.0  # EMA of tokens emitted per step
     seconds: float = 0.0  # EMA of seconds per step
-    steps: int = 0
+    steps: int = 0  # warm steps, the ones the averages hold
+    cold: int = 0  # first steps left out (one-time costs: new shapes, first allocations)
 
-    def observe(self, tokens: int, seconds: float, alpha: float) -> None:
+    def observe(self, tokens: int, seconds: float, alpha: float, cold: int) -> None:
+        if self.cold < cold:
+            self.cold += 1
+            return
         if self.steps == 0:
             self.tokens, self.seconds = float(tokens), seconds
         else:
@@ -65,8 +69,9 @@ class SpeculationGuard:
     period: int = 32  # leader steps between two probes of the other mode
     max_period: int = 512  # the longest wait between probes while plain steps keep winning
     probe: int = 2  # steps per probe
-    warmup: int = 4  # speculative rounds before the first probe of plain decoding
+    warmup: int = 4  # warm speculative rounds before the first probe of plain decoding
     alpha: float = 0.3  # EMA weight of the newest step
+    cold: int = 2  # the first steps of each mode in a bucket pay one-time costs: left out of its rate
     margin: float = 0.1  # drafting takes the lead back from plain steps only when this much faster (a lucky probe
     # of a few rounds must not buy ``period`` rounds that lose; plain decoding is the safe side of a near-tie)
     buckets: dict[int, _Bucket] = field(default_factory=dict)
@@ -77,6 +82,7 @@ class SpeculationGuard:
             or self.max_period < self.period
             or self.probe < 1
             or self.warmup < 0
+            or self.cold < 0
             or not 0.0 < self.alpha <= 1.0
             or self.margin < 0.0
         ):
@@ -100,16 +106,17 @@ class SpeculationGuard:
     def observe(self, batch_size: int, drafted: bool, tokens: int, seconds: float) -> None:
         """Record one decode step: whether it drafted, the tokens it emitted and its wall time."""
         b = self._bucket(batch_size)
-        (b.draft if drafted else b.plain).observe(tokens, seconds, self.alpha)
-        if drafted != b.leader_drafts:  # a probe step
-            b.probe_left = max(0, b.probe_left - 1)
+        mode = b.draft if drafted else b.plain
+        mode.observe(tokens, seconds, self.alpha, self.cold)
+        if drafted != b.leader_drafts:  # a probe step: it ends once it has measured ``probe`` warm steps
+            b.probe_left = max(0, b.probe_left - 1) if mode.steps else b.probe_left
             if b.probe_left == 0:
                 self._elect(b)
             return
         if drafted and b.plain.steps and b.draft.rate < b.plain.rate:
             self._hand_back(b)
             return
-        b.until_probe -= 1
+        b.until_probe -= 1 if mode.steps else 0
         if b.until_probe <= 0 and b.probe_left == 0:
             b.probe_left = self.probe
 
