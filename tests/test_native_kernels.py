@@ -31,6 +31,7 @@ from dspark.models.quantized import (
     BLOCK_BYTES,
     DENSE_ROWS,
     DENSE_TILE,
+    PACKED,
     QTYPES,
     QuantGroup,
     QuantLinear,
@@ -194,6 +195,26 @@ def test_int8_row_results_do_not_depend_on_the_batch():
     x = torch.randn(9, 64)
     y = ops().quant_linear(x, w.blocks, None, QTYPES["Q8_0"], True)
     assert torch.equal(ops().quant_linear(x[8:9], w.blocks, None, QTYPES["Q8_0"], True), y[8:9])
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", TYPES)
+def test_the_packed_int8_layout_computes_the_int8_arithmetic_one_row_at_a_time(qtype):
+    """int8 QuantLinears of 16k outputs read their weight repacked (16 outputs side by side): within 1e-5 · max|y| of
+    the emulation, and each of 1..16 rows bit for bit its one-row result."""
+    w = quantized(qtype, 48, 576)
+    lin = QuantLinear(w, torch.randn(48), int8=True)
+    blocks, code = lin.kernel_blocks()
+    assert code == QTYPES[qtype] + PACKED and blocks.shape == w.blocks.shape and not torch.equal(blocks, w.blocks)
+    x = torch.randn(16, 576)
+    x[0, :32] = 0.0
+    with torch.inference_mode():
+        y = lin(x)
+        emu = reference_quant_linear(x, w, lin.bias_f32)
+        assert (y - emu).abs().max() <= 1e-5 * emu.abs().max()
+        for m in range(1, 17):
+            assert torch.equal(lin(x[:m]), y[:m]), m
+    assert QuantLinear(quantized(qtype, 20, 64), int8=True).kernel_blocks()[1] == QTYPES[qtype]  # 20 rows: as stored
 
 
 @needs_native

@@ -79,3 +79,25 @@ def test_dspark_on_the_quantized_smollm2_decodes_the_plain_greedy_tokens(models)
     outs = [[o.token_ids for o in LLM.from_engine(e).generate(prompts, params)] for e in (plain, speculative)]
     assert outs[0] == outs[1]
     assert speculative.metrics.spec.num_drafts > 0 and speculative.metrics.spec.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("quantization", ["gguf", "gguf-int8"])
+def test_every_row_of_a_k_row_forward_is_its_one_row_forward_bit_for_bit(quantization):
+    """A verification of k rows (k = 1..16, one native stack call) gives each row the logits a decode step at that
+    position gives, bit for bit, in both arithmetics: the products (the int8 one over the packed weights), the
+    attention and the lm_head compute every row alone."""
+    from dspark.bench.profile import ProfileConfig, _prefilled_engine
+    from dspark.checkpoint.resolve import resolve_model_ref
+    from dspark.models.loading import load_target
+
+    model = load_target(resolve_model_ref("smollm2-135m-instruct"), "float32", quantization=quantization)
+    with torch.inference_mode():
+        engine, reqs = _prefilled_engine(model, None, ProfileConfig(batch_sizes=(1,), max_tokens_per_request=16,
+                                                                    context_len=40))  # fmt: skip
+        req, ctx = reqs[0], reqs[0].num_computed
+        tokens = req.prompt_ids[ctx : ctx + 16]
+        for k in range(1, 17):
+            many = engine.runner.target_forward([req], [ctx], [tokens[:k]], last_only=False)[0]
+            for i in range(k):  # the cache holds rows ctx .. ctx+i-1 as the k-row forward wrote them
+                one = engine.runner.target_forward([req], [ctx + i], [tokens[i : i + 1]], last_only=False)[0, 0]
+                assert torch.equal(many[i], one), (quantization, k, i)

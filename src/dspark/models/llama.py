@@ -34,7 +34,7 @@ from dspark.models.layers import (
 )
 from dspark.models.packing import Linear, Packable, PackedWeight, packed_linear
 from dspark.models.protocol import CacheView, PageFormat, TargetOutput, head_output
-from dspark.models.quantized import DENSE_ROWS, QTYPES, QuantGroup, QuantLinear
+from dspark.models.quantized import DENSE_ROWS, QuantGroup, QuantLinear
 from dspark.models.rope import apply_rope_half, half_rotation_tables
 from dspark.profiling import scope
 
@@ -237,7 +237,7 @@ class DecoderLayer(nn.Module):
 
 
 def _blocks(lin: QuantLinear) -> tuple[torch.Tensor, int, torch.Tensor | None]:
-    return lin.qweight.blocks, QTYPES[lin.qweight.qtype], lin.bias_f32
+    return *lin.kernel_blocks(), lin.bias_f32
 
 
 def stack_arguments(layers: Sequence[DecoderLayer]) -> tuple | None:

@@ -64,10 +64,27 @@ inline void to_float(const c10::Half* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// Σ a[i]·b[i] over 16 lanes (one 512-bit or two 256-bit vectors), then a fixed tree across the lanes: one order
+// whatever the number of query rows in the call (a `simd reduction` compiled to a chain of 16 scalar adds per score,
+// most of a decode step's attention).
 inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
   float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+#if defined(__AVX512F__)
+  __m512 v = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) v = _mm512_add_ps(v, _mm512_mul_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i)));
+  acc = _mm512_reduce_add_ps(v);
+#elif defined(__AVX2__)
+  __m256 v0 = _mm256_setzero_ps(), v1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    v0 = _mm256_add_ps(v0, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+    v1 = _mm256_add_ps(v1, _mm256_mul_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8)));
+  }
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(_mm256_add_ps(v0, v1)), _mm256_extractf128_ps(_mm256_add_ps(v0, v1), 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  acc = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+#endif
+  for (; i < n; ++i) acc += a[i] * b[i];
   return acc;
 }
 
@@ -79,6 +96,11 @@ void attend(const T* q, const T* plane, const int64_t* slots, const float* bias,
   const int64_t R = H * T_;  // query rows of a sequence: row r = (head h, position t), r = h·T + t
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(R * d), scores(R * S), acc(R * dv), row(W), denom(R);
+    std::vector<int64_t> row_t(R), row_kv(R);  // each query row's position and KV head (no divisions per score)
+    for (int64_t r = 0; r < R; ++r) {
+      row_t[r] = r % T_;
+      row_kv[r] = (r / T_) / g;
+    }
     for (int64_t b = begin; b < end; ++b) {
       to_float(q + b * R * d, qf.data(), R * d);
       for (int64_t e = 0; e < R * d; ++e) qf[e] *= scale;
@@ -88,8 +110,8 @@ void attend(const T* q, const T* plane, const int64_t* slots, const float* bias,
       for (int64_t s = 0; s < S; ++s) {
         to_float(plane + sl[s] * W + k_off, row.data(), n_kv * d);
         for (int64_t r = 0; r < R; ++r) {
-          const float m = bb[(r % T_) * S + s];
-          const float* k = row.data() + ((r / T_) / g) * d;
+          const float m = bb[row_t[r] * S + s];
+          const float* k = row.data() + row_kv[r] * d;
           scores[r * S + s] = std::isinf(m) ? -std::numeric_limits<float>::infinity() : dot(qf.data() + r * d, k, d) + m;
         }
       }
@@ -111,7 +133,7 @@ void attend(const T* q, const T* plane, const int64_t* slots, const float* bias,
         for (int64_t r = 0; r < R; ++r) {
           const float w = scores[r * S + s];
           if (w == 0.f) continue;
-          const float* v = row.data() + ((r / T_) / g) * dv;
+          const float* v = row.data() + row_kv[r] * dv;
           float* a = acc.data() + r * dv;
 #pragma omp simd
           for (int64_t e = 0; e < dv; ++e) a[e] += w * v[e];

@@ -20,6 +20,8 @@
 // Rows: a weight block is unpacked once per tile of up to 8 (AVX2, scalar: 4) activation rows and applied to each;
 //   every row's result is bit for bit its one-row result in both arithmetics (see the exact path's comment), so a
 //   speculative verify of K+1 rows computes what K+1 decode steps would.
+// Packed (qtype + kPacked, blocks from pack_int8): the int8 arithmetic over weights repacked 16 outputs side by side,
+//   see packed_int8.h (what QuantLinear serves for int8 weights of 16k outputs).
 // Threads: at::parallel_for over groups of output rows (torch's OpenMP pool: torch.set_num_threads applies).
 //
 // rms_norm / silu_mul: elementwise.cpp; paged_attention: attention.cpp; layouts and helpers: quant_blocks.h.
@@ -40,6 +42,7 @@
 #include <immintrin.h>
 #endif
 
+#include "packed_int8.h"
 #include "quant_blocks.h"
 
 namespace {
@@ -376,55 +379,6 @@ void run_exact(const Weights& W, const float* x, int64_t M, int64_t K, int64_t N
 
 // ================================================================================================ int8 path
 
-// One block of 32 floats -> 32 int8 (natural order), its scale, the sum of its int8 values and of its floats.
-inline void quantize_block(const float* x, int8_t* q, float& d, int32_t& isum, float& fsum) {
-#if defined(DSPARK_AVX2) || defined(DSPARK_VNNI512)
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 v[4];
-  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 8 * i);
-  __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                            _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-  const float amax = _mm_cvtss_f32(m4);
-  d = amax / 127.0f;
-  const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-  __m256i qi[4];
-  __m256 fs = _mm256_setzero_ps();
-  for (int i = 0; i < 4; ++i) {
-    qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));  // round to nearest even
-    fs = _mm256_add_ps(fs, v[i]);
-  }
-  __m256i is = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
-  __m128i is4 = _mm_add_epi32(_mm256_castsi256_si128(is), _mm256_extracti128_si256(is, 1));
-  is4 = _mm_add_epi32(is4, _mm_shuffle_epi32(is4, 0x4E));
-  is4 = _mm_add_epi32(is4, _mm_shuffle_epi32(is4, 0xB1));
-  isum = _mm_cvtsi128_si32(is4);
-  fsum = hsum256(fs);
-  // int32 -> int8: the packs interleave 128-bit lanes, the permute restores the order
-  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
-                      _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-#else
-  float amax = 0.0f, s = 0.0f;
-  for (int i = 0; i < QK; ++i) {
-    amax = std::max(amax, std::fabs(x[i]));
-    s += x[i];
-  }
-  d = amax / 127.0f;
-  const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-  int32_t is = 0;
-  for (int i = 0; i < QK; ++i) {
-    const int v = static_cast<int>(std::nearbyint(x[i] * id));
-    q[i] = static_cast<int8_t>(v);
-    is += v;
-  }
-  isum = is;
-  fsum = s;
-#endif
-}
-
 // The quantized activation rows, laid out tile by tile in the order the row kernels read them. Units: block pairs
 // on the pair path (Q4 pair bytes [b lo16 | b+1 lo16 | b hi16 | b+1 hi16], Q8 [b | b+1]), then single blocks (every
 // block elsewhere, the last of an odd count on the pair path). Within a tile of mt rows starting at row m0, a
@@ -700,10 +654,37 @@ int64_t block_bytes(int64_t qtype) {
   return qtype == Q4_0 ? kBlockBytes<Q4_0> : qtype == Q4_1 ? kBlockBytes<Q4_1> : kBlockBytes<Q8_0>;
 }
 
-// x [M, K] fp32 (bf16/fp16 converted); blocks uint8 [N, K/32 · block bytes]; bias fp32 [N] or none -> y fp32 [M, N]
+constexpr int64_t kPacked = 16;  // added to a qtype: the blocks are pack_int8's layout (int8 arithmetic only)
+
+// blocks uint8 [N, K/32 · block bytes], the file's layout -> the same shape in the packed layout (packed_int8.h)
+at::Tensor pack_int8(const at::Tensor& blocks, int64_t qtype) {
+  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "dspark pack_int8: unknown qtype ", qtype);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
+                  blocks.size(1) % block_bytes(qtype) == 0 && blocks.size(0) % kPackRows == 0,
+              "dspark pack_int8: blocks must be contiguous uint8 [N, K/32 · block bytes] with N a multiple of 16, got ",
+              blocks.sizes());
+  at::Tensor out = at::empty(blocks.sizes(), blocks.options());
+  const int64_t row_bytes = blocks.size(1), nb = row_bytes / block_bytes(qtype);
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  for (int64_t n0 = 0; n0 < blocks.size(0); n0 += kPackRows) {
+    const uint8_t* rows = src + n0 * row_bytes;
+    if (qtype == Q4_0) pack_group<Q4_0>(rows, row_bytes, nb, dst + n0 * row_bytes);
+    if (qtype == Q4_1) pack_group<Q4_1>(rows, row_bytes, nb, dst + n0 * row_bytes);
+    if (qtype == Q8_0) pack_group<Q8_0>(rows, row_bytes, nb, dst + n0 * row_bytes);
+  }
+  return out;
+}
+
+// x [M, K] fp32 (bf16/fp16 converted); blocks uint8 [N, K/32 · block bytes]; bias fp32 [N] or none -> y fp32 [M, N].
+// qtype + kPacked: blocks in pack_int8's layout, the int8 arithmetic over 16 outputs at a time.
 at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& blocks, const std::optional<at::Tensor>& bias,
-                        int64_t qtype, bool int8) {
-  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "dspark quant_linear: unknown qtype ", qtype);
+                        int64_t qtype_in, bool int8) {
+  const bool packed = qtype_in >= kPacked;
+  const int64_t qtype = packed ? qtype_in - kPacked : qtype_in;
+  TORCH_CHECK(qtype == Q4_0 || qtype == Q4_1 || qtype == Q8_0, "dspark quant_linear: unknown qtype ", qtype_in);
+  TORCH_CHECK(!packed || (int8 && blocks.size(0) % kPackRows == 0),
+              "dspark quant_linear: packed blocks take the int8 arithmetic and a multiple of 16 rows");
   TORCH_CHECK(x_in.dim() == 2, "dspark quant_linear: x must be [M, K], got ", x_in.sizes());
   TORCH_CHECK(x_in.device().is_cpu() && blocks.device().is_cpu(), "dspark quant_linear: CPU tensors only");
   at::Tensor x = x_in.scalar_type() == at::kFloat ? x_in.contiguous() : x_in.to(at::kFloat).contiguous();
@@ -725,7 +706,11 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& blocks, const 
   const Weights W{blocks.data_ptr<uint8_t>(), bp, row_bytes};
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  if (int8) {
+  if (packed) {
+    if (qtype == Q4_0) run_packed<Q4_0>(W.blocks, bp, xp, M, K, N, yp);
+    if (qtype == Q4_1) run_packed<Q4_1>(W.blocks, bp, xp, M, K, N, yp);
+    if (qtype == Q8_0) run_packed<Q8_0>(W.blocks, bp, xp, M, K, N, yp);
+  } else if (int8) {
     if (qtype == Q4_0) run_int8<Q4_0>(W, xp, M, K, N, yp);
     if (qtype == Q4_1) run_int8<Q4_1>(W, xp, M, K, N, yp);
     if (qtype == Q8_0) run_int8<Q8_0>(W, xp, M, K, N, yp);
@@ -798,5 +783,6 @@ std::string build_info() {
 TORCH_LIBRARY(dspark_native, lib) {
   lib.def("quant_linear(Tensor x, Tensor blocks, Tensor? bias, int qtype, bool int8=False) -> Tensor", &quant_linear);
   lib.def("dequantize(Tensor blocks, int qtype, int K) -> Tensor", &dequantize);
+  lib.def("pack_int8(Tensor blocks, int qtype) -> Tensor", &pack_int8);
   lib.def("build_info() -> str", &build_info);
 }

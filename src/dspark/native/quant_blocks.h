@@ -2,6 +2,8 @@
 // small SIMD helpers (see kernels.cpp for the products, elementwise.cpp for the fp32 helpers).
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -82,5 +84,54 @@ struct Weights {
   const float* bias;      // [N] or null
   int64_t row_bytes;
 };
+
+// One block of 32 floats -> 32 int8 (natural order), its scale, the sum of its int8 values and of its floats.
+inline void quantize_block(const float* x, int8_t* q, float& d, int32_t& isum, float& fsum) {
+#if defined(DSPARK_AVX2) || defined(DSPARK_VNNI512)
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4];
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 8 * i);
+  __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                            _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float amax = _mm_cvtss_f32(m4);
+  d = amax / 127.0f;
+  const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  __m256i qi[4];
+  __m256 fs = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));  // round to nearest even
+    fs = _mm256_add_ps(fs, v[i]);
+  }
+  __m256i is = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+  __m128i is4 = _mm_add_epi32(_mm256_castsi256_si128(is), _mm256_extracti128_si256(is, 1));
+  is4 = _mm_add_epi32(is4, _mm_shuffle_epi32(is4, 0x4E));
+  is4 = _mm_add_epi32(is4, _mm_shuffle_epi32(is4, 0xB1));
+  isum = _mm_cvtsi128_si32(is4);
+  fsum = hsum256(fs);
+  // int32 -> int8: the packs interleave 128-bit lanes, the permute restores the order
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
+  float amax = 0.0f, s = 0.0f;
+  for (int i = 0; i < QK; ++i) {
+    amax = std::max(amax, std::fabs(x[i]));
+    s += x[i];
+  }
+  d = amax / 127.0f;
+  const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+  int32_t is = 0;
+  for (int i = 0; i < QK; ++i) {
+    const int v = static_cast<int>(std::nearbyint(x[i] * id));
+    q[i] = static_cast<int8_t>(v);
+    is += v;
+  }
+  isum = is;
+  fsum = s;
+#endif
+}
 
 }  // namespace
