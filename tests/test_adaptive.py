@@ -335,3 +335,29 @@ def test_calibrate_cli_end_to_end(tmp_path, capsys):
     (draft_dir / "sts_calibration.json").write_text(out.read_text())
     policy, _ = _load(SpeculativeConfig(num_speculative_tokens=3), draft_dir, target_dir)
     assert policy.temperatures == temps
+
+
+def test_calibrate_and_profile_write_where_the_engine_looks(tmp_path, capsys, monkeypatch):
+    """Without --output, calibrate and profile write into the pair's tuning dir under $DSPARK_CACHE (never into the
+    package), the engine takes those files before any next to the models, and a thin sample is warned about."""
+    from dspark.tuning import SPS_FILE, STS_FILE, tuning_dir
+
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
+    target_dir, draft_dir = write_tiny_pair(tmp_path / "pair", 0)
+    save_sts(draft_dir / STS_FILE, [9.0, 9.0, 9.0])  # a shipped file: the measured one must win
+    dataset = tmp_path / "calib.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["def f(x):", "hello"]))
+    spec = json.dumps({"method": "dspark", "model": str(draft_dir), "num_speculative_tokens": 3})
+    argv = ["calibrate", "--dataset", str(dataset), "--model", str(target_dir), "--speculative-config", spec]
+    assert main([*argv, "--max-tokens", "8", "--dtype", "float32"]) == 0
+    out = capsys.readouterr()
+    where = tuning_dir(draft_dir, target_dir)
+    assert f"wrote {where / STS_FILE}" in out.out and "from now on" in out.out
+    assert "were reached by fewer than" in out.err and "--num-prompts" in out.err
+    argv = ["profile", "--model", str(target_dir), "--draft", str(draft_dir), "--batch-sizes", "1"]
+    argv += ["--max-tokens-per-request", "2", "--context-len", "8", "--repeats", "1", "--dtype", "float32", "--quiet"]
+    assert main(argv) == 0
+    assert (where / SPS_FILE).is_file() and not (target_dir / SPS_FILE).exists()
+    policy, _ = _load(SpeculativeConfig(num_speculative_tokens=3), draft_dir, target_dir)
+    assert policy.temperatures == json.loads((where / STS_FILE).read_text())["sts_temperatures"]
+    assert policy.temperatures != [9.0, 9.0, 9.0]

@@ -241,16 +241,22 @@ def cmd_profile(args: argparse.Namespace) -> int:
         "repeats": cfg.repeats,
         "monotone_fit": cfg.monotone,
     }
-    save_profile(args.output, result, meta)
+    output = args.output
+    if output is None:  # the pair's tuning dir on this machine, where the engine looks first
+        from dspark.tuning import SPS_FILE, tuning_dir
+
+        tuning_dir(draft_dir, target_dir).mkdir(parents=True, exist_ok=True)
+        output = str(tuning_dir(draft_dir, target_dir) / SPS_FILE)
+    save_profile(output, result, meta)
     t = result.table
     span = f"B = {int(t.num_tokens[0])}..{int(t.num_tokens[-1])}"
-    print(f"wrote {args.output}: SPS over {span}, batch sizes {list(cfg.batch_sizes)}")
+    print(f"wrote {output}: SPS over {span}, batch sizes {list(cfg.batch_sizes)}")
     for bs, row in zip(cfg.batch_sizes, t.steps_per_s):
         print(f"  batch {bs:>4}: {row[0]:8.1f} .. {row[-1]:8.1f} steps/s")
-    print(
-        f"to use it: copy it to {target_dir}/sps_profile.json, or pass "
-        f'\'{{"enable_adaptive_verification": true, "cost_table_path": "{args.output}"}}\' in --speculative-config'
-    )
+    if args.output is None:
+        print("adaptive verification uses it for this pair on this machine from now on")
+    else:
+        print(f'to use it: \'{{"enable_adaptive_verification": true, "cost_table_path": "{output}"}}\'')
     return 0
 
 
@@ -264,7 +270,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="target model dir (default: the bundled kimi-k3-mini)")
     p.add_argument("--draft", default=None, help="draft dir to include in the step (default: bundled draft if any)")
     p.add_argument("--no-draft", action="store_true", help="time the target verify forward only")
-    p.add_argument("--output", default="sps_profile.json", help="output JSON (default ./sps_profile.json)")
+    p.add_argument(
+        "--output",
+        default=None,
+        help="output JSON (default: $DSPARK_CACHE/tuning/<machine>/<pair>/, where the engine finds it)",
+    )
     p.add_argument("--batch-sizes", type=_int_list, default=(1, 4, 16), help="comma-separated (default 1,4,16)")
     p.add_argument("--max-tokens-per-request", type=int, default=8, help="anchor + drafts, 1..N (default 8)")
     p.add_argument("--context-len", type=int, default=256, help="pre-filled context per request (default 256)")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dspark import tuning
 from dspark.cache.allocator import BlockManager, PageAllocator
 from dspark.cache.pool import CachePools
 from dspark.cache.prefix import PrefixCache
@@ -495,26 +496,31 @@ def _seeded_sampling(req: Request) -> bool:
     return req.params.seed is not None and not req.params.greedy
 
 
-def _adaptive_file(key: str, given: str | None, name: str, dirs: Sequence[Path | None]) -> Path | None:
-    """The file at the config path `key` (must exist when given), else `name` in the first dir holding it."""
+def _adaptive_file(
+    key: str, given: str | None, name: str, pair: tuple[Path | None, Path | None], dirs: Sequence[Path | None]
+) -> Path | None:
+    """The file at the config path `key` (must exist when given), else the pair's measured one on this machine
+    (dspark.tuning), else `name` in the first dir holding it."""
     if given:
         if not Path(given).is_file():
             raise ConfigError(
                 f"speculative config: key '{key}' = {given!r}: file not found; fix the path or drop the key"
             )
         return Path(given)
-    return next((d / name for d in dirs if d is not None and (d / name).is_file()), None)
+    return tuning.find(name, *pair, beside=dirs)
 
 
 def load_adaptive(spec: SpeculativeConfig, draft_dir: Path | None, target_dir: Path | None) -> AdaptivePolicy:
     """STS temperatures + SPS cost table for `enable_adaptive_verification`.
 
-    Temperatures: `calibration_path`, else `sts_calibration.json` next to the draft, then the target. Cost table:
-    `cost_table_path`, else `sps_profile.json` next to the target, then the draft. A missing file falls back to
-    raw confidences / the default cost model with one warning.
+    Temperatures: `calibration_path`, else what `dspark calibrate` measured for this pair on this machine
+    ($DSPARK_CACHE/tuning), else `sts_calibration.json` next to the draft, then the target. Cost table:
+    `cost_table_path`, else what `dspark profile` measured, else `sps_profile.json` next to the target, then the
+    draft. A missing file falls back to raw confidences / the default cost model with one warning.
     """
-    sts = _adaptive_file("calibration_path", spec.calibration_path, "sts_calibration.json", (draft_dir, target_dir))
-    cost = _adaptive_file("cost_table_path", spec.cost_table_path, "sps_profile.json", (target_dir, draft_dir))
+    pair = (draft_dir, target_dir)
+    sts = _adaptive_file("calibration_path", spec.calibration_path, tuning.STS_FILE, pair, (draft_dir, target_dir))
+    cost = _adaptive_file("cost_table_path", spec.cost_table_path, tuning.SPS_FILE, pair, (target_dir, draft_dir))
     temperatures = load_sts(sts) if sts is not None else None
     sps = SpsTable.load(cost) if cost is not None else default_cost_model()
     if temperatures is not None and len(temperatures) < spec.num_speculative_tokens:

@@ -190,20 +190,47 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         "draft": str(engine.draft_dir),
         "per_position": [{k: (None if v != v else v) for k, v in r.items()} for r in report],  # NaN -> null
     }
-    save_sts(args.output, temps, extra)
+    output = args.output or _default_output(engine)
+    save_sts(output, temps, extra)
     print(format_report(report))
+    _warn_if_small(data.accepted, engine.K)
     before, after = (sum(r[key] for r in report) / len(report) for key in ("ece_before", "ece_after"))
     print(f"mean ECE {before:.4f} → {after:.4f} over {len(data.accepted)} rounds")
     if args.plot:
         plot_reliability(args.plot, data, temps, report, args.bins)
         print(f"wrote {args.plot}")
-    draft_dir = engine.draft_dir
-    print(
-        f"wrote {args.output}: sts_temperatures = [{', '.join(f'{t:.3f}' for t in temps)}]\n"
-        f"to use it: copy it to {draft_dir}/sts_calibration.json, or pass "
-        f'\'{{"enable_adaptive_verification": true, "calibration_path": "{args.output}"}}\' in --speculative-config'
-    )
+    print(f"wrote {output}: sts_temperatures = [{', '.join(f'{t:.3f}' for t in temps)}]")
+    if args.output is None:
+        print("adaptive verification uses it for this pair on this machine from now on")
+    else:
+        print(f'to use it: \'{{"enable_adaptive_verification": true, "calibration_path": "{output}"}}\'')
     return 0
+
+
+MIN_ROUNDS_PER_POSITION = 100  # fewer reaching a position and its fitted temperature is noise
+
+
+def _default_output(engine) -> str:
+    from dspark.tuning import STS_FILE, tuning_dir
+
+    d = tuning_dir(engine.draft_dir, engine.model_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    return str(d / STS_FILE)
+
+
+def _warn_if_small(accepted: list[int], K: int) -> None:
+    """A warning, with how much more data to use, when a draft position was reached by too few rounds."""
+    reached = [sum(1 for n in accepted if n >= k) for k in range(K)]  # rounds whose accepted prefix reached k
+    thin = [k for k, n in enumerate(reached) if n < MIN_ROUNDS_PER_POSITION]
+    if not thin:
+        return
+    scale = MIN_ROUNDS_PER_POSITION / max(min(reached[k] for k in thin), 1)
+    print(
+        f"warning: draft positions {thin} were reached by fewer than {MIN_ROUNDS_PER_POSITION} rounds "
+        f"({', '.join(str(reached[k]) for k in thin)}), so their temperatures are noise; use about {scale:.0f}x "
+        "the prompts (--num-prompts) or tokens (--max-tokens)",
+        file=sys.stderr,
+    )
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -218,7 +245,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--model", default=None, help="target model dir (default: the bundled kimi-k3-mini pair)")
     p.add_argument("--speculative-config", default=None, help='JSON or @file, e.g. \'{"method": "dspark"}\'')
-    p.add_argument("--output", default="sts_calibration.json", help="default ./sts_calibration.json")
+    p.add_argument(
+        "--output",
+        default=None,
+        help="where to write (default: $DSPARK_CACHE/tuning/<machine>/<pair>/, where the engine finds it)",
+    )
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write a reliability diagram")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; match serving (default 0)")
     p.add_argument("--bins", type=int, default=20, help="ECE bins (default 20)")
