@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -506,3 +508,123 @@ def test_a_bad_draft_vocab_file_is_reported(pair: tuple[Path, Path]) -> None:
     assert "token_ids must be distinct ids in [0, 96)" in messages(report, "vocab")
     (draft / "draft_vocab.json").write_text(json.dumps({"token_ids": [3, 4, 5], "default_size": 2}))
     assert "vocab" not in checks_of(run_checks(draft, target))
+
+
+# ---------------------------------------------------------------------------------------- root causes
+
+
+def check_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """`dspark check ...` as a user runs it: a subprocess of this interpreter."""
+    return subprocess.run(
+        [sys.executable, "-m", "dspark.cli", "check", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_misspelled_draft_key_exits_1_and_names_the_key(pair: tuple[Path, Path]) -> None:
+    """`kv_lora_rnk` used to pass whenever the default (512) happened to fit: the value was silently dropped."""
+    target, draft = pair
+    cfg = json.loads((draft / "config.json").read_text())
+    edit_config(draft, kv_lora_rank=None, kv_lora_rnk=cfg["kv_lora_rank"])
+    done = check_cli(str(draft), "--target", str(target))
+    assert done.returncode == 1, done.stdout
+    assert "unknown key 'kv_lora_rnk' (did you mean 'kv_lora_rank'?)" in done.stdout
+    assert "rename 'kv_lora_rnk' to 'kv_lora_rank'" in done.stdout
+    # the weights hold the real rank: roster names the key, its default and what the weights hold, once
+    assert "`kv_lora_rank` 512 (not set in config.json: its default) does not match the weights (16)" in done.stdout
+
+
+def test_misspelling_a_key_whose_default_fits_is_still_a_problem(pair: tuple[Path, Path]) -> None:
+    target, draft = pair
+    edit_config(draft, markov_head_type=None, markov_head_typ="vanilla")  # the default: every shape agrees
+    report = run_checks(draft, target)
+    assert checks_of(report) == {"draft-config"}
+    assert "'markov_head_typ' (did you mean 'markov_head_type'?)" in messages(report, "draft-config")
+    assert "takes its default ('vanilla')" in messages(report, "draft-config")
+
+
+def test_misspelled_target_key_is_a_problem(pair: tuple[Path, Path]) -> None:
+    target, draft = pair
+    edit_config(target, routed_scaling_factor=None, routed_scaling_factr=1.5)
+    report = run_checks(draft, target)
+    assert checks_of(report) == {"target-config"}
+    assert "'routed_scaling_factr' (did you mean 'routed_scaling_factor'?)" in messages(report, "target-config")
+
+
+def test_an_unknown_key_close_to_nothing_is_a_note(pair: tuple[Path, Path]) -> None:
+    target, draft = pair
+    edit_config(draft, trained_on="my corpus")
+    edit_config(target, _comment="metadata keys starting with _ pass", serving_notes="x")
+    report = run_checks(draft, target)
+    assert report.ok
+    notes = "\n".join(report.notes[1])
+    assert f"{draft / 'config.json'}: keys dspark does not read (ignored): trained_on" in notes
+    assert f"{target / 'config.json'}: keys dspark does not read (ignored): serving_notes" in notes
+    assert "_comment" not in notes
+
+
+def official_configs(tmp_path: Path) -> dict[str, dict[str, object]]:
+    """Every config.json dspark ships or writes: bundled models, the official formats, the tiny test pairs."""
+    from dspark.checkpoint.resolve import BUNDLED_DIR
+    from dspark.models.tiny import tiny_draft_config, write_tiny_gqa_pair, write_tiny_hybrid_pair
+
+    files = sorted(BUNDLED_DIR.glob("*/config.json")) + sorted(BUNDLED_DIR.glob("formats/*.json"))
+    files += [*write_tiny_gqa_pair(tmp_path / "gqa"), *write_tiny_hybrid_pair(tmp_path / "hybrid")]
+    configs = {str(f): json.loads((f / "config.json" if f.is_dir() else f).read_text()) for f in files}
+    configs["tiny_target_config"] = tiny_target_config().to_hf_dict()
+    configs["tiny_draft_config"] = tiny_draft_config(tiny_target_config()).to_dict()
+    return configs
+
+
+def test_no_official_or_bundled_config_key_is_flagged(tmp_path: Path) -> None:
+    from dspark.models.families import family_of
+
+    configs = official_configs(tmp_path)
+    assert len(configs) >= 16
+    for where, raw in configs.items():
+        family = family_of(raw)
+        assert family is not None, where
+        assert family.config.KEYS.unknown(raw) == {}, where
+
+
+def test_a_single_hidden_size_change_is_one_root_cause_line(pair: tuple[Path, Path]) -> None:
+    """Used to print 22 "wrong shape" lines, none naming hidden_size."""
+    target, draft = pair
+    edit_config(draft, hidden_size=40)
+    report = run_checks(draft, target)
+    assert len(report.problems) == 1 and report.problems[0].check == "roster"
+    message = report.problems[0].message
+    assert message.startswith(f"{draft / 'config.json'}: `hidden_size` 40 does not match the weights (32)\n")
+    assert "20 tensors of" in message and "first: 'context_norm.weight' expected [40], found [32]" in message
+    assert '"hidden_size": 32' in report.problems[0].fix
+    assert "see roster" in report.skip_reasons["lm-head"] and "see roster" in report.skip_reasons["embedding"]
+    done = check_cli(str(draft), "--target", str(target), "--json")
+    assert done.returncode == 1
+    problems = json.loads(done.stdout)["problems"]
+    assert [p["message"].splitlines()[0] for p in problems] == [message.splitlines()[0]]
+    human = check_cli(str(draft), "--target", str(target))
+    assert human.returncode == 1 and human.stdout.count("✖") == 2  # the problem and the summary line
+
+
+def test_a_hidden_size_change_without_target_hidden_size_is_still_one_problem(pair: tuple[Path, Path]) -> None:
+    target, draft = pair
+    edit_config(draft, hidden_size=40, target_hidden_size=None)  # target_hidden_size defaults to hidden_size
+    report = run_checks(draft, target)
+    assert [p.check for p in report.problems] == ["roster"]
+    assert "`hidden_size` 40 does not match the weights (32)" in report.problems[0].message
+    assert "see roster" in report.skip_reasons["hidden-size"]
+
+
+def test_a_target_key_the_weights_contradict_is_named(pair: tuple[Path, Path]) -> None:
+    target, draft = pair
+    edit_config(target, intermediate_size=72)
+    report = run_checks(draft, target)
+    assert checks_of(report) == {"target-roster"}
+    assert len(report.problems) == 1
+    assert "`intermediate_size` 72 does not match the weights (64)" in messages(report, "target-roster")
+
+
+def test_no_single_key_explains_it_keeps_a_line_per_tensor(pair: tuple[Path, Path]) -> None:
+    target, draft = pair
+    edit_tensors(draft, lambda s: s.update({"context_norm.weight": torch.ones(31), "final_norm.weight": torch.ones(9)}))
+    report = run_checks(draft, target)
+    assert len(report.problems) == 2 and "does not match the weights" not in messages(report, "roster")

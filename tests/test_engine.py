@@ -230,7 +230,7 @@ def test_metrics_and_tau_definition():
 
 
 def test_unknown_speculative_key_is_an_error():
-    with pytest.raises(ValueError, match="unknown key"):
+    with pytest.raises(ValueError, match="unknown key.*'num_speculative_token' .did you mean 'num_speculative_tokens'"):
         SpeculativeConfig.parse('{"method": "dspark", "num_speculative_token": 7}')
     with pytest.raises(ValueError, match="rejection_sample_method"):
         SpeculativeConfig.parse('{"method": "dspark", "rejection_sample_method": "typical"}')

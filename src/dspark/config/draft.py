@@ -6,13 +6,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from dspark.config.common import (
     REDUCED_VOCAB_FIX,
+    ConfigKeys,
     as_is,
     fail,
     given,
+    hf_keys,
     missing,
     positive,
     read_config,
@@ -20,7 +22,7 @@ from dspark.config.common import (
     required_ints,
     token_ids,
 )
-from dspark.config.rope import RopeConfig
+from dspark.config.rope import ROPE_KEYS, RopeConfig
 from dspark.config.target import GQATargetConfig, MLAConfig
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
@@ -32,6 +34,7 @@ DRAFT_ARCHITECTURES = ("K3DSparkModel", "Qwen3DSparkModel")
 class DraftConfig:
     """A DSpark drafter ``config.json`` (``k3_dspark`` MLA backbone or DeepSpec ``Qwen3DSparkModel`` GQA)."""
 
+    KEYS: ClassVar[ConfigKeys]  # the config.json keys it reads and lets pass (set below the class)
     architecture: str
     hidden_size: int
     intermediate_size: int
@@ -263,3 +266,13 @@ _OPTIONAL = {
     "eos_token_id": token_ids,
     "pad_token_id": as_is,
 }
+_DRAFT_READ = {
+    "architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "vocab_size", "target_layer_ids", "target_hidden_size", "target_num_hidden_layers", "num_target_layers",
+    "mask_token_id", "num_key_value_heads", "head_dim", "torch_dtype", "dtype", *_OPTIONAL, *ROPE_KEYS,
+}  # fmt: skip
+DraftConfig.KEYS = hf_keys(
+    _DRAFT_READ,
+    # a DeepSpec drafter is its Qwen3 target's config.json with DeepSpec's keys added (num_anchors: training only)
+    (GQATargetConfig.KEYS.read | GQATargetConfig.KEYS.passed | {"num_anchors"}) - _DRAFT_READ,
+)

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from dspark.config.common import as_is, fail, given, positive, read_config, require
+from dspark.config.common import ConfigKeys, as_is, fail, given, hf_keys, positive, read_config, require
 from dspark.config.target import MLAConfig, TargetConfig
 
 KIMI_LAYER_TYPES = ("linear_attention", "full_attention")
@@ -94,6 +94,7 @@ class KimiLinearConfig:
     ``mlp_layer_types`` decides dense vs MoE per layer.
     """
 
+    KEYS: ClassVar[ConfigKeys]  # the config.json keys it reads and lets pass (set below the class)
     base: TargetConfig
     kda: KDAConfig
     layer_types: tuple[str, ...]
@@ -258,3 +259,13 @@ class KimiLinearConfig:
         return d
 
 
+KimiLinearConfig.KEYS = hf_keys(
+    TargetConfig.KEYS.read
+    | {"num_experts", "num_local_experts", "num_experts_per_token", "num_shared_experts", "num_expert_group",
+       "moe_renormalize", "model_max_length", "linear_attn_config", "linear_num_heads", "linear_head_dim",
+       "linear_conv_kernel_dim", "layer_types", "mlp_layer_types", "situ_betas", "moe_latent_size",
+       "attn_res_block_size"},
+    # Moonshot's Kimi Linear config.json keys dspark does not need (MTP layers, router details it fixes)
+    TargetConfig.KEYS.passed
+    | {"moe_layer_freq", "moe_router_activation_func", "use_grouped_topk", "num_nextn_predict_layers"},
+)  # fmt: skip

@@ -15,6 +15,9 @@ POSITION_KEYS = frozenset({"max_position_embeddings", "rope_parameters", "rope_t
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
+# the top-level config.json keys RopeConfig.from_hf reads
+ROPE_KEYS = frozenset({"rope_parameters", "rope_scaling", "rope_theta", "rope_interleave"})
+
 
 @dataclass(frozen=True)
 class RopeConfig:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark.config.backends import attention_backend, warn_substitute
-from dspark.config.common import ConfigError, fail, positive
+from dspark.config.common import ConfigError, ConfigKeys, fail, positive
 
 # --------------------------------------------------------------------------------------------------------
 # Speculative decoding (vLLM --speculative-config keys)
@@ -98,10 +98,7 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> SpeculativeConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ConfigError(f"speculative config: unknown key(s) {unknown}; valid keys are {sorted(known)}")
+        ConfigKeys(frozenset(f.name for f in fields(cls))).refuse_unknown(d, "speculative config")
         return cls(**dict(d))
 
     @classmethod

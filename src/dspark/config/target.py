@@ -6,19 +6,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from dspark.config.common import (
+    ConfigKeys,
     as_is,
     fail,
     given,
+    hf_keys,
     positive,
     read_config,
     require,
     required_ints,
     token_ids,
 )
-from dspark.config.rope import RopeConfig, attention_scale
+from dspark.config.rope import ROPE_KEYS, RopeConfig, attention_scale
 
 # --------------------------------------------------------------------------------------------------------
 # MLA attention geometry (shared by target and drafter)
@@ -98,6 +100,7 @@ MLA_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "deepseek_v2")  # model_type values
 class TargetConfig:
     """An HF ``deepseek_v3`` / Kimi-K2 style ``config.json``."""
 
+    KEYS: ClassVar[ConfigKeys]  # the config.json keys it reads and lets pass (set below the class)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -257,6 +260,12 @@ _OPTIONAL = {
     "eos_token_id": token_ids,
     "pad_token_id": as_is,
 }
+TargetConfig.KEYS = hf_keys(
+    {"model_type", "qk_rope_head_dim", *_REQUIRED, *_OPTIONAL, *ROPE_KEYS},
+    # DeepSeek-V3's / Kimi-K2's official config.json keys dspark does not need (MTP layers, training-only knobs)
+    {"num_key_value_heads", "head_dim", "qk_head_dim", "aux_loss_alpha", "ep_size", "moe_layer_freq", "seq_aux",
+     "num_nextn_predict_layers"},
+)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -270,6 +279,7 @@ GQA_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qw
 class GQATargetConfig:
     """An HF ``llama`` / ``qwen2`` / ``qwen3`` ``config.json``: GQA attention with rotate-half RoPE, SwiGLU."""
 
+    KEYS: ClassVar[ConfigKeys]  # the config.json keys it reads and lets pass (set below the class)
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -336,18 +346,7 @@ class GQATargetConfig:
             qkv_bias=True if mt == "qwen2" else bias,
             o_bias=False if mt == "qwen2" else bias,
             qk_norm=mt == "qwen3",
-            **given(
-                d,
-                {
-                    "max_position_embeddings": int,
-                    "rms_norm_eps": float,
-                    "tie_word_embeddings": bool,
-                    "mlp_bias": bool,
-                    "bos_token_id": as_is,
-                    "eos_token_id": token_ids,
-                    "pad_token_id": as_is,
-                },
-            ),
+            **given(d, _GQA_OPTIONAL),
         )
 
     @classmethod
@@ -366,3 +365,21 @@ def _reject_unsupported(d: Mapping[str, Any], source: str) -> None:
         raise fail(source, "partial_rotary_factor", params.get("partial_rotary_factor"), "only 1.0 is supported")
 
 
+# GQATargetConfig.from_dict: the optional keys read under their own name (a missing one gets the field's default)
+_GQA_OPTIONAL = {
+    "max_position_embeddings": int,
+    "rms_norm_eps": float,
+    "tie_word_embeddings": bool,
+    "mlp_bias": bool,
+    "bos_token_id": as_is,
+    "eos_token_id": token_ids,
+    "pad_token_id": as_is,
+}
+GQATargetConfig.KEYS = hf_keys(
+    {"model_type", "num_attention_heads", "hidden_size", "head_dim", "attention_bias", "vocab_size",
+     "intermediate_size", "num_hidden_layers", "num_key_value_heads", "hidden_act", "use_sliding_window",
+     "partial_rotary_factor", *_GQA_OPTIONAL, *ROPE_KEYS},
+    # Llama's / Qwen2's / Qwen3's official config.json keys dspark does not need (SmolLM2 adds the last three)
+    {"sliding_window", "max_window_layers", "layer_types", "rope_interleaved", "is_llama_config",
+     "transformers.js_config"},
+)  # fmt: skip

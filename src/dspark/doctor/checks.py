@@ -12,8 +12,9 @@ Markov heads, 5 the lossless-acceptance run to do next, 6 the metrics to monitor
 None) only the target's checks run: that is what ``generate``/``serve``/``LLM`` run before an n-gram or plain
 target (dspark.doctor.gate).
 
-The checks live by topic: context.py (the inputs), weights.py and tokens.py (step 1), pairing.py (steps 2 to 4);
-this module holds the table of checks, runs it and formats the report.
+The checks live by topic: context.py (the inputs), weights.py, keys.py and tokens.py (step 1), pairing.py (steps 2
+to 4), rootcause.py (the one config key a checkpoint's shapes contradict); this module holds the table of checks,
+runs it and formats the report.
 
 Dependency direction: this package reads checkpoints (dspark.checkpoint) and builds meta-device rosters from the
 model classes (dspark.models); neither of those imports the doctor.
@@ -30,6 +31,7 @@ from typing import Any
 from dspark.checkpoint.io import Problem
 from dspark.config import SpeculativeConfig
 from dspark.doctor.context import Context, Skip
+from dspark.doctor.keys import ignored_keys_notes
 from dspark.doctor.pairing import (
     check_confidence_head,
     check_hidden_size,
@@ -147,7 +149,7 @@ METRICS: tuple[tuple[str, str], ...] = (
 
 def _notes(ctx: Context) -> dict[int, tuple[str, ...]]:
     """Facts and next steps per deployment step (never problems)."""
-    notes: dict[int, list[str]] = {}
+    notes: dict[int, list[str]] = {1: ignored_keys_notes(ctx)}
     kv = kv_note(ctx) if ctx.has_draft else None
     if kv:
         notes.setdefault(3, []).append(kv)
@@ -163,7 +165,7 @@ def _notes(ctx: Context) -> dict[int, tuple[str, ...]]:
             notes.setdefault(4, []).append('markov_rank 0: run it as "method": "dflash"')
     notes[5] = (lossless_command(ctx),)
     notes[6] = tuple(f"{name}  ({what})" for name, what in METRICS)
-    return {k: tuple(v) for k, v in notes.items()}
+    return {k: tuple(v) for k, v in notes.items() if v}
 
 
 def lossless_command(ctx: Context) -> str:

@@ -7,18 +7,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from dspark.checkpoint.io import CheckpointError, Problem, TensorInfo, is_lfs_pointer, list_checkpoint_tensors
-from dspark.checkpoint.roster import TensorSpec
+from dspark.checkpoint.roster import RosterReport, TensorSpec, compare_roster
 from dspark.config import DRAFT_ARCHITECTURES, RANDOM_WEIGHTS_KEY, ConfigError, DraftConfig
+from dspark.doctor.rootcause import RootCause, config_ints, find_root_cause
 from dspark.models.families import Family
 from dspark.models.spec import ConfigFileError, ModelSpec, model_spec
 
 LM_HEAD_FILE = "lm_head.safetensors"
+HEADS = ("markov_head.", "confidence_head.")  # presence checked by their own checks, not by the roster
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")  # fast tokenizer, or a SentencePiece model
@@ -96,6 +98,16 @@ def roster_view(raw: dict[str, Any]) -> dict[str, Any]:
     d["mask_token_id"] = 0
     d.pop("draft_vocab_size", None)
     return d
+
+
+def draft_report(cfg: DraftConfig, found: Mapping[str, TensorInfo]) -> RosterReport:
+    """The draft checkpoint's tensors against the roster of ``cfg`` (an embedding copy is optional; an lm_head and
+    the heads are checked elsewhere)."""
+    from dspark.models.families import draft_roster
+
+    expected = draft_roster(cfg, include_embedding="embed_tokens.weight" in found)
+    report = compare_roster(expected, found, ignore_unexpected=("lm_head.weight",) + tuple(h + "*" for h in HEADS))
+    return replace(report, missing=tuple(n for n in report.missing if not n.startswith(HEADS)))
 
 
 @dataclass(frozen=True)
@@ -291,6 +303,34 @@ class Context:
 
         return draft_roster(self.cfg(), include_embedding=False)
 
+    @cached_property
+    def draft_report(self) -> RosterReport:
+        """The draft checkpoint against the roster its config.json implies (Skip: either is unusable)."""
+        return draft_report(self.cfg(), self.tensors())
+
+    @cached_property
+    def draft_cause(self) -> RootCause | None:
+        """The one config.json key that explains the draft's roster disagreement (see dspark.doctor.rootcause)."""
+        raw, cfg = self.raw(), self.cfg()
+        values = config_ints(raw, cfg, DraftConfig.KEYS.read)
+        return find_root_cause(values, raw, self.draft_report, list(self.tensors()), self._draft_retry)
+
+    def _draft_retry(self, key: str, value: int) -> RosterReport | None:
+        try:
+            cfg = DraftConfig.from_dict(roster_view(self.raw() | {key: value}))
+        except (ConfigError, TypeError, ValueError):
+            return None
+        return draft_report(cfg, self.tensors())
+
+    def trust(self, key: str) -> None:
+        """Skip the calling check when the draft's ``key`` is what disagrees with its weights (roster says so)."""
+        try:
+            cause = self.draft_cause
+        except Skip:
+            return
+        if cause is not None and cause.key == key:
+            raise Skip(f"the draft config.json's {key} does not match its weights: see roster")
+
     # ---- accessors that skip the calling check when an input is missing ----
     def raw(self) -> dict[str, Any]:
         raw = self.draft_config_read[0]
@@ -347,12 +387,14 @@ class Context:
         v = as_int(self.raw().get("vocab_size"))
         if v is None or v <= 0:
             raise Skip("the draft config has no valid vocab_size: see vocab")
+        self.trust("vocab_size")
         return v
 
     def hidden(self) -> int:
         h = as_int(self.raw().get("hidden_size"))
         if h is None or h <= 0:
             raise Skip("the draft config has no valid hidden_size: see draft-config")
+        self.trust("hidden_size")
         return h
 
 

@@ -157,6 +157,7 @@ def check_hidden_size(ctx: Context) -> list[Problem]:
     """The target's hidden_size equals the draft's target_hidden_size (the width of each tap)."""
     t = ctx.target()
     raw = ctx.raw()
+    ctx.trust("target_hidden_size" if "target_hidden_size" in raw else "hidden_size")
     th = as_int(t.get("hidden_size"))
     dth = as_int(raw.get("target_hidden_size")) or as_int(raw.get("hidden_size"))
     if th is None or dth is None or th == dth:

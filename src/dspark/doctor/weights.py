@@ -16,8 +16,8 @@ import torch
 from safetensors import safe_open
 
 from dspark.checkpoint.io import SINGLE_FILE, Problem, TensorInfo, is_lfs_pointer
-from dspark.checkpoint.roster import TensorSpec, compare_roster, report_problems
-from dspark.config import ConfigError
+from dspark.checkpoint.roster import RosterReport, TensorSpec, compare_roster, report_problems
+from dspark.config import ConfigError, DraftConfig
 from dspark.doctor.context import (
     LM_HEAD_FILE,
     NEEDS_TARGET,
@@ -28,17 +28,22 @@ from dspark.doctor.context import (
     find_tensor,
     text_config,
 )
-from dspark.models.families import Family
+from dspark.doctor.keys import misspelled_keys
+from dspark.doctor.rootcause import cause_problems, config_ints, find_root_cause
+from dspark.models.families import Family, Weights
 
 BF16_MAX = torch.finfo(torch.bfloat16).max
 _CHUNK_ELEMENTS = 1 << 24  # bf16/finiteness scan reads at most this many elements at once
-_HEADS = ("markov_head.", "confidence_head.")  # presence checked by their own checks, not by the roster
 
 
 def check_draft_config(ctx: Context) -> list[Problem]:
     """config.json exists, is JSON, and parses as a k3_dspark / Qwen3DSpark draft config."""
     ctx.draft_dir  # noqa: B018 (skips without a draft)
-    return [p for p in (ctx.draft_config_read[1], ctx.draft_cfg_parse[1]) if p is not None]
+    problems = [p for p in (ctx.draft_config_read[1], ctx.draft_cfg_parse[1]) if p is not None]
+    raw = ctx.draft_config_read[0]
+    if raw is None or ctx.draft_target_architectures:
+        return problems
+    return problems + misspelled_keys(DraftConfig.KEYS, raw, ctx.draft_cfg_parse[0], ctx.draft_dir / "config.json")
 
 
 def check_target_config(ctx: Context) -> list[Problem]:
@@ -50,11 +55,23 @@ def check_target_config(ctx: Context) -> list[Problem]:
     assert raw is not None
     t = text_config(raw)
     src = ctx.target_dir / "config.json"
-    return [
+    problems = [
         Problem(f"{src}: key '{k}' = {t.get(k)!r} is missing or not a positive integer", f"add '{k}' to {src}")
         for k in ("vocab_size", "hidden_size", "num_hidden_layers")
         if (as_int(t.get(k)) or 0) <= 0
     ]
+    family = ctx.target_spec.spec.family if ctx.target_spec.spec is not None else None
+    if family is None or not family.is_target:
+        return problems  # transformers reads it: its keys are transformers' business
+    return problems + misspelled_keys(family.config.KEYS, raw, _parsed(ctx), src)
+
+
+def _parsed(ctx: Context) -> Any:
+    """The target's parsed config, or None when it does not parse (target-roster says why)."""
+    try:
+        return ctx.target_spec.spec.config if ctx.target_spec.spec is not None else None
+    except (ConfigError, TypeError, ValueError):
+        return None
 
 
 def _lfs_size(p: Path) -> str:
@@ -97,15 +114,14 @@ def check_safetensors(ctx: Context) -> list[Problem]:
 
 
 def check_roster(ctx: Context) -> list[Problem]:
-    """Draft tensor names, shapes and dtypes match what config.json implies (the official roster)."""
-    found = ctx.tensors()
-    expected = dict(ctx.draft_roster)
-    embed = "embed_tokens.weight"
-    if embed in found:  # optional: a frozen copy of the target's embedding (always borrowed at load)
-        expected[embed] = TensorSpec((ctx.vocab(), ctx.hidden()))
-    report = compare_roster(expected, found, ignore_unexpected=("lm_head.weight",) + tuple(h + "*" for h in _HEADS))
-    report = replace(report, missing=tuple(n for n in report.missing if not n.startswith(_HEADS)))
-    return report_problems(report, source=str(ctx.draft_scan.path / SINGLE_FILE))
+    """Draft tensor names, shapes and dtypes match what config.json implies (the official roster); a disagreement
+    one config key explains is reported once, as that key and both values."""
+    report = ctx.draft_report
+    source = str(ctx.draft_scan.path / SINGLE_FILE)
+    cause = ctx.draft_cause
+    if cause is not None:
+        return cause_problems(cause, report, ctx.draft_dir / "config.json", source)
+    return report_problems(report, source=source)
 
 
 def check_vocab(ctx: Context) -> list[Problem]:
@@ -338,17 +354,37 @@ def check_bf16(ctx: Context) -> list[Problem]:
     return problems
 
 
-def _native_roster(ctx: Context, family: Family, found: Mapping[str, TensorInfo]) -> dict[str, TensorSpec]:
-    """The tensors the family's loader expects for the target's config (built on the meta device)."""
+def _native_report(family: Family, raw: Mapping[str, Any], cfg: Any, found: Weights) -> RosterReport:
+    """The target's tensors against what its family's loader expects for ``cfg`` (roster built on the meta device)."""
+    roster = family.roster(cfg, found)
+    if raw.get("tie_word_embeddings"):
+        roster.pop("lm_head.weight", None)
+    return compare_roster(roster, found, ignore_unexpected=family.roster_ignores)
+
+
+def _native_target_problems(ctx: Context, family: Family, found: Weights) -> list[Problem]:
+    """The target's checkpoint against its family's roster; one config key that explains a disagreement is
+    reported once, as that key and both values."""
     spec = ctx.target_spec.spec
     assert spec is not None
     try:
-        roster = family.roster(spec.config, found)
+        report = _native_report(family, spec.raw, spec.config, found)
     except (ConfigError, TypeError, ValueError) as e:
         raise Skip(f"the target config.json does not parse ({e})") from e
-    if spec.raw.get("tie_word_embeddings"):
-        roster.pop("lm_head.weight", None)
-    return roster
+
+    def retry(key: str, value: int) -> RosterReport | None:
+        raw = dict(spec.raw) | {key: value}
+        try:
+            return _native_report(family, raw, family.config.from_dict(raw, source=str(spec.config_file)), found)
+        except (ConfigError, TypeError, ValueError):
+            return None
+
+    values = config_ints(spec.raw, spec.config, family.config.KEYS.read)
+    cause = find_root_cause(values, spec.raw, report, list(found), retry)
+    source = f"the target checkpoint {ctx.target_dir}"
+    if cause is not None:
+        return cause_problems(cause, report, spec.config_file, source)
+    return report_problems(report, source=source)
 
 
 def _hf_roster(raw: dict[str, Any]) -> dict[str, TensorSpec]:
@@ -379,10 +415,9 @@ def check_target_roster(ctx: Context) -> list[Problem]:
     found = ctx.target_tensors()
     family = ctx.target_family()
     if family is not None and family.is_target:
-        report = compare_roster(_native_roster(ctx, family, found), found, ignore_unexpected=family.roster_ignores)
-    else:
-        report = compare_roster(_hf_roster(raw), found, ignore_unexpected=("*",))
-        report = replace(report, wrong_dtype=())
+        return _native_target_problems(ctx, family, found)
+    report = compare_roster(_hf_roster(raw), found, ignore_unexpected=("*",))
+    report = replace(report, wrong_dtype=())
     return report_problems(report, source=f"the target checkpoint {ctx.target_dir}")
 
 
