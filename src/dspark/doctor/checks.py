@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from dspark.checkpoint.io import Problem
+from dspark.checkpoint.resolve import BUNDLED_DIR
 from dspark.config import SpeculativeConfig
 from dspark.doctor.context import Context, Skip
 from dspark.doctor.keys import ignored_keys_notes
@@ -173,7 +174,8 @@ def lossless_command(ctx: Context) -> str:
     draft = str(ctx.draft_path) if ctx.draft_path is not None else "<draft>"
     k = SpeculativeConfig.num_speculative_tokens  # the default K: what generate and serve run
     spec = json.dumps({"method": "dspark", "model": draft, "num_speculative_tokens": k})
-    return f"dspark verify-lossless --model {target} --speculative-config '{spec}' --dataset <prompts.jsonl>"
+    prompts = BUNDLED_DIR / "prompts" / "heldout.jsonl"  # held-out prompts shipped with the package
+    return f"dspark verify-lossless --model {target} --speculative-config '{spec}' --dataset {prompts}"
 
 
 def run_checks(

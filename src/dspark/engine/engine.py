@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dspark import tuning
+import dspark.tuning as tuning
 from dspark.cache.allocator import BlockManager, PageAllocator
 from dspark.cache.pool import CachePools
 from dspark.cache.prefix import PrefixCache
