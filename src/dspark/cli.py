@@ -437,9 +437,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     line = f"speculation: {method}  τ (mean acceptance length): {tau_s}  tokens/s: {tps:.1f}"
     if speedup is not None:
         line += f"  speed-up vs no speculation: {speedup:.2f}x"
-    print(line, file=sys.stderr)
-    for guard_line in guard_lines(engines[0]):
-        print(guard_line, file=sys.stderr)
+    print(line + ("  (whole request, prefill included)" if speedup is not None else ""), file=sys.stderr)
+    for guard_line in guard_lines(engines[0]):  # its rates are decode steps' only, warm-up included
+        print(guard_line + " [decode steps, warm-up included]", file=sys.stderr)
     report_tokens = min(REPORT_TOKENS, engines[0].max_model_len)  # a request the model can hold
     print("\n".join(cache_report_lines(engines[0].cache_report(report_tokens))), file=sys.stderr)
     return 0
