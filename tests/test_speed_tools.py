@@ -198,3 +198,34 @@ def test_more_threads_must_win_by_the_margin():
     assert threads.pick({1: 0.100, 2: 0.095}) == 1  # 5 % faster: not worth a barrier partner
     assert threads.pick({1: 0.100, 2: 0.080, 4: 0.075}) == 2
     assert threads.pick({1: 0.100, 2: 0.080, 4: 0.060}) == 4
+
+
+def test_profile_runs_with_the_thread_count_generate_calibrated(tmp_path, monkeypatch, capsys):
+    """profile builds no engine, yet it reports and uses the count the engines calibrated for this machine and
+    model (every command reports the same thread count)."""
+    import json
+
+    import torch
+
+    from dspark import threads
+    from dspark.cli import main
+    from dspark.models.loading import load_target
+    from dspark.models.tiny import write_tiny_pair
+
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("DSPARK_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "_explicit", False)
+    target_dir, _ = write_tiny_pair(tmp_path / "pair", 0)
+    params = sum(p.numel() for p in load_target(target_dir, "float32").parameters())
+    key = threads._key(threads.usable_cores(), threads.model_key(target_dir.name, "float32", params))
+    threads.write_cache(threads._cache_path(), {key: {"threads": 1}})
+    before = torch.get_num_threads()
+    try:
+        argv = ["profile", "--model", str(target_dir), "--no-draft", "--batch-sizes", "1", "--max-tokens-per-request"]
+        argv += ["1", "--context-len", "8", "--repeats", "1", "--dtype", "float32"]
+        argv += ["--output", str(tmp_path / "s.json")]
+        assert main(argv) == 0
+        assert ", 1 threads" in capsys.readouterr().err
+        assert json.loads((tmp_path / "s.json").read_text())["meta"]["num_threads"] == 1
+    finally:
+        torch.set_num_threads(before)

@@ -30,6 +30,7 @@ from dspark.models.spec import model_spec, one_read_per_model
 from dspark.precision import resolve_precision
 from dspark.sampling_params import SamplingParams
 from dspark.spec.guard import SpeculationGuard
+from dspark.threads import model_key as thread_model_key
 from dspark.tokenizer import load_tokenizer
 
 __all__ = [  # the bundled-model names live in dspark.checkpoint.resolve; importable from here as before
@@ -132,7 +133,7 @@ def build_engines(
         ref = str(model) if model is not None else None
         engines.append(Engine(target, drafter, spec, ecfg, cache, tok, adaptive, target_dir, draft_dir, ref))
         engines[-1].precision = precision
-    _default_threads(engines[0], f"{target_dir.name}|{dtype}|{sum(p.numel() for p in target.parameters())} params")
+    _default_threads(engines[0], thread_model_key(target_dir.name, dtype, sum(p.numel() for p in target.parameters())))
     return engines
 
 

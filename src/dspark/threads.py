@@ -133,37 +133,62 @@ def write_cache(path: Path, cache: dict) -> bool:
     return True
 
 
+def model_key(name: str, dtype: str, num_params: int) -> str:
+    """The model part of a thread choice's key (every command that runs a model computes it the same way)."""
+    return f"{name}|{dtype}|{num_params} params"
+
+
+def known_threads(model_key: str) -> tuple[int, str] | None:
+    """(threads, where the choice came from) without measuring: the environment, a single core, or an earlier
+    calibration for this machine and model; None when only a calibration would tell."""
+    env = env_threads()
+    if env is not None:
+        return env, f"${ENV}"
+    cores = usable_cores()
+    if cores == 1:  # nothing to choose between
+        return 1, "the one usable core"
+    path = _cache_path()
+    entry = read_cache(path).get(_key(cores, model_key))
+    return (int(entry["threads"]), f"calibrated earlier ({path})") if entry else None
+
+
+def apply_known_threads(model_key: str) -> None:
+    """Use the choice ``known_threads`` finds, unless one was made explicitly (a command that runs no engine steps,
+    such as ``profile``, reports the same count ``generate`` and ``bench`` run with)."""
+    global _source
+    known = None if _explicit else known_threads(model_key)
+    if known is not None:
+        torch.set_num_threads(known[0])
+        _source = known[1]
+
+
+def _key(cores: int, model_key: str) -> str:
+    return f"{cpu_model()}|{cores} cores|torch {torch.__version__}|{model_key}"
+
+
 def choose_threads(model_key: str, workload: Callable[[], object]) -> int:
     """Set and return torch's intra-op thread count for this machine and model (see the module docstring)."""
     global _source
-    env = env_threads()
-    if env is not None:
-        torch.set_num_threads(env)
-        _source = f"${ENV}"
-        return env
+    known = known_threads(model_key)
+    if known is not None:
+        torch.set_num_threads(known[0])
+        _source = known[1]
+        return known[0]
     cores = usable_cores()
-    if cores == 1:  # nothing to choose between
-        torch.set_num_threads(1)
-        _source = "the one usable core"
-        return 1
-    key = f"{cpu_model()}|{cores} cores|torch {torch.__version__}|{model_key}"
+    key = _key(cores, model_key)
     path = _cache_path()
     cache = read_cache(path)
-    if key in cache:
-        n = int(cache[key]["threads"])
-        _source = f"calibrated earlier ({path})"
-    else:
-        print(
-            f"dspark: timing decode steps at {', '.join(map(str, candidates(cores)))} CPU threads to pick the "
-            f"fastest for this machine and model (once; kept in {path}); skip it with --threads N or {ENV}=N",
-            file=sys.stderr,
-            flush=True,
-        )
-        best = calibrate(workload, candidates(cores))
-        n = pick(best)
-        cache[key] = {"threads": n, "best_ms": {str(c): round(s * 1e3, 3) for c, s in best.items()}}
-        write_cache(path, cache)  # a read-only home: calibrate again next time
-        _source = "calibrated now (best of 7: " + ", ".join(f"{c}: {s * 1e3:.1f} ms" for c, s in best.items()) + ")"
+    print(
+        f"dspark: timing decode steps at {', '.join(map(str, candidates(cores)))} CPU threads to pick the "
+        f"fastest for this machine and model (once; kept in {path}); skip it with --threads N or {ENV}=N",
+        file=sys.stderr,
+        flush=True,
+    )
+    best = calibrate(workload, candidates(cores))
+    n = pick(best)
+    cache[key] = {"threads": n, "best_ms": {str(c): round(s * 1e3, 3) for c, s in best.items()}}
+    write_cache(path, cache)  # a read-only home: calibrate again next time
+    _source = "calibrated now (best of 7: " + ", ".join(f"{c}: {s * 1e3:.1f} ms" for c, s in best.items()) + ")"
     torch.set_num_threads(n)
     return n
 

@@ -201,6 +201,7 @@ def _resolve(args: argparse.Namespace) -> tuple[Path, Path | None]:
 def cmd_profile(args: argparse.Namespace) -> int:
     from dspark.models.loading import load_drafter, load_target
     from dspark.precision import resolve_precision
+    from dspark.threads import apply_known_threads, model_key
 
     if args.num_threads:
         from dspark.threads import set_threads
@@ -223,6 +224,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     precision = resolve_precision(target_dir, args.dtype, args.quantization)  # what build_engines would serve
     target = load_target(target_dir, precision.dtype, precision.quantization)
     drafter = load_drafter(draft_dir, target, precision.dtype) if draft_dir is not None else None
+    # the thread count generate / bench run this model with (their calibration), unless --num-threads says
+    apply_known_threads(model_key(Path(target_dir).name, precision.dtype, sum(p.numel() for p in target.parameters())))
     what = f"target {target_dir}" + (f" + drafter {draft_dir}" if drafter is not None else " (target only)")
     print(
         f"profiling {what}, {precision.describe()}, context {cfg.context_len}, {torch.get_num_threads()} threads",
