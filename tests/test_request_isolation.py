@@ -42,7 +42,7 @@ def make_llm(pair, spec: bool = True) -> LLM:
         ("temperature", 101),
         ("top_p", float("nan")),
         ("top_p", 0.0),
-        ("n", 2),
+        ("n", 0),
         ("stop", ["ok", 5]),
         ("stop", 5),
         ("stop_token_ids", [-1]),

@@ -1,11 +1,15 @@
-"""Public entry points: ``LLM(model=..., speculative_config=...).generate(prompts, SamplingParams)`` and
-``build_engine`` (used by the CLI, the server and the bench)."""
+"""Public entry points: ``LLM(model=..., speculative_config=...).generate(prompts, SamplingParams)`` (raw prompts),
+``.chat(messages, SamplingParams)`` (the chat template) and ``build_engine`` (used by the CLI, the server and the
+bench)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from jinja2 import TemplateError
 
 from dspark.checkpoint.resolve import (
     BUNDLED_DFLASH,
@@ -23,8 +27,9 @@ from dspark.checkpoint.resolve import (
 )
 from dspark.config import CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
 from dspark.doctor.gate import check_before_load, check_finite
-from dspark.engine.engine import Engine, RequestOutput, load_adaptive
+from dspark.engine.engine import Engine, RequestOutput, load_adaptive, merge_samples
 from dspark.engine.metrics import EngineMetrics
+from dspark.engine.request import Request
 from dspark.models.loading import load_drafter, load_target
 from dspark.models.spec import model_spec, one_read_per_model
 from dspark.precision import resolve_precision
@@ -197,8 +202,13 @@ def build_engine(
     return build_engines(model, [speculative_config], **kwargs)[0]
 
 
+Prompt = str | Sequence[int]
+Message = Mapping[str, Any]
+
+
 class LLM:
-    """Offline batch generation, vLLM style."""
+    """Offline batch generation, vLLM style: ``generate`` sends prompts as given (raw text or token ids), ``chat``
+    renders conversations with the model's chat template first."""
 
     def __init__(self, model: str | Path | None = None, speculative_config=None, **kwargs: Any) -> None:
         self.engine = build_engine(model, speculative_config, **kwargs)
@@ -214,19 +224,113 @@ class LLM:
         prompts: str | Sequence[str] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
+        """One ``RequestOutput`` per prompt, in order; the ``SamplingParams.n`` samples of a prompt are its
+        ``outputs[0..n-1]``. The samples are n independent engine requests (``SamplingParams.samples``: seeds derived
+        from the request's seed). With prefix caching they share the prompt's pages: samples 1..n-1 are admitted once
+        sample 0's prompt is computed, and find it cached; without it, each sample computes the prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        params = sampling_params or SamplingParams()
-        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        pending = list(zip(prompts, plist))
-        order: list[str] = []
+        plist = _params_per_prompt(sampling_params, len(prompts))
+        jobs: list[_Sample] = []
+        for i, (prompt, sp) in enumerate(zip(prompts, plist)):
+            first = len(jobs)
+            jobs += [_Sample(i, prompt, s, first if k else None) for k, s in enumerate(sp.samples())]
+        grouped: list[list[RequestOutput]] = [[] for _ in prompts]
+        for job, out in zip(jobs, self._run(jobs)):
+            grouped[job.prompt_index].append(out)
+        return [merge_samples(g) for g in grouped]
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """``messages``: one conversation (a list of ``{"role", "content"}`` dicts) or a list of them. Each is
+        rendered with the model's chat template (``apply_chat_template(..., add_generation_prompt=True)``, as
+        ``dspark generate --chat`` and the server's chat route do) and generated; one ``RequestOutput`` per
+        conversation, in order."""
+        conversations = _as_conversations(messages)
+        return self.generate([self._render_chat(c, i) for i, c in enumerate(conversations)], sampling_params)
+
+    def _render_chat(self, conversation: Sequence[Message], index: int) -> list[int]:
+        tok = self.engine.tokenizer
+        name = self.engine.model_ref or self.engine.model_dir or "this model"
+        if not getattr(tok, "has_chat_template", False):
+            raise ConfigError(
+                f"LLM.chat: {name} has no chat template (tokenizer_config.json 'chat_template' or "
+                "chat_template.jinja), so it cannot render messages; send the raw text with LLM.generate"
+            )
+        try:
+            return list(tok.encode_chat(conversation))
+        except TemplateError as e:
+            raise ValueError(f"LLM.chat: conversation {index}: the chat template of {name} refuses it ({e})") from e
+
+    def _run(self, jobs: Sequence[_Sample]) -> list[RequestOutput]:
+        """Each sample as one engine request, added as the waiting queue allows; the finals in ``jobs`` order."""
+        reqs: list[Request | None] = [None] * len(jobs)
+        pending = list(range(len(jobs)))
         final: dict[str, RequestOutput] = {}
-        limit = self.engine.cfg.max_waiting
         while pending or self.engine.has_unfinished:
-            while pending and len(self.engine.scheduler.waiting) < limit:
-                prompt, sp = pending.pop(0)
-                order.append(self.engine.add_request(prompt, sp).request_id)
+            pending = self._admit(jobs, reqs, pending)
             for out in self.engine.step():
                 if out.finished:
                     final[out.request_id] = out
-        return [final[rid] for rid in order]
+        return [final[r.request_id] for r in reqs if r is not None]
+
+    def _admit(self, jobs: Sequence[_Sample], reqs: list[Request | None], pending: list[int]) -> list[int]:
+        """Add pending samples in order while the waiting queue has room; with prefix caching a sample waits for its
+        sample 0 to have computed the prompt (so it is cached). Returns the samples still pending."""
+        left = []
+        for n, i in enumerate(pending):
+            if len(self.engine.scheduler.waiting) >= self.engine.cfg.max_waiting:
+                return left + pending[n:]
+            if self.engine.prefix is not None and not _prompt_cached(jobs[i], reqs):
+                left.append(i)
+                continue
+            reqs[i] = self.engine.add_request(jobs[i].prompt, jobs[i].params)
+        return left
+
+
+@dataclass(frozen=True)
+class _Sample:
+    """One sample of one prompt of a ``generate`` call; ``first``: the job index of that prompt's sample 0."""
+
+    prompt_index: int
+    prompt: Prompt
+    params: SamplingParams
+    first: int | None
+
+
+def _prompt_cached(job: _Sample, reqs: Sequence[Request | None]) -> bool:
+    """Whether the prompt's sample 0 (if ``job`` is another sample) has computed the prompt: it sampled its first
+    token (prefix caching has cached the prompt's full blocks by then) or finished."""
+    if job.first is None:
+        return True
+    first = reqs[job.first]
+    return first is not None and (bool(first.output_ids) or first.finished)
+
+
+def _params_per_prompt(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+) -> list[SamplingParams]:
+    """One ``SamplingParams`` per prompt: the one given for all (default ``SamplingParams()``), or one each."""
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [sampling_params or SamplingParams()] * num_prompts
+    plist = list(sampling_params)
+    if len(plist) != num_prompts:
+        raise ValueError(f"{len(plist)} SamplingParams for {num_prompts} prompts: give one, or one per prompt")
+    return plist
+
+
+def _as_conversations(messages: Sequence[Message] | Sequence[Sequence[Message]]) -> list[Sequence[Message]]:
+    """A list of conversations from one conversation (its first item a message dict) or a list of them."""
+    if not messages:
+        raise ValueError("LLM.chat: messages is empty; give a conversation ([{'role': 'user', 'content': ...}])")
+    conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
+    for i, conv in enumerate(conversations):
+        if isinstance(conv, str | Mapping) or not all(isinstance(m, Mapping) and "role" in m for m in conv):
+            raise ValueError(
+                f"LLM.chat: conversation {i} must be a list of {{'role': ..., 'content': ...}} dicts; "
+                "for raw text prompts use LLM.generate"
+            )
+    return conversations  # type: ignore[return-value]

@@ -1,10 +1,12 @@
 """Per-request sampling parameters (vLLM-compatible names), range-checked at construction so a bad value is
-refused where it enters (HTTP 400, ``ValueError`` from ``LLM.generate``, a CLI error), never inside the engine."""
+refused where it enters (HTTP 400, ``ValueError`` from ``LLM.generate``, a CLI error), never inside the engine.
+``n`` samples of a prompt run as ``n`` engine requests (``SamplingParams.samples``)."""
 
 from __future__ import annotations
 
+import hashlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # Seeds and top_k go into int64 tensors (spec/rng.py hashes the two 32-bit words of each int64 seed).
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -68,8 +70,8 @@ class SamplingParams:
             raise _bad("max_tokens", self.max_tokens, f"must be an integer in [1, {INT64_MAX}]")
         if self.seed is not None and not _is_int(self.seed):
             raise _bad("seed", self.seed, f"must be null or an integer in [{INT64_MIN}, {INT64_MAX}] (int64)")
-        if self.n != 1:
-            raise _bad("n", self.n, "only n=1 is supported; send several requests instead")
+        if not _is_int(self.n, 1):
+            raise _bad("n", self.n, f"must be an integer in [1, {INT64_MAX}] (samples per prompt)")
         if not isinstance(self.ignore_eos, bool):
             raise _bad("ignore_eos", self.ignore_eos, "must be true or false")
 
@@ -84,3 +86,20 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 1e-5
+
+    def samples(self) -> list[SamplingParams]:
+        """The ``n`` independent samples of a request, each as one engine request (n=1): sample i draws from its
+        own seed stream, ``sample_seed(seed, i)``; without a seed each sample gets the engine's per-request seed.
+        With n=1: these very params."""
+        if self.n == 1:
+            return [self]
+        return [replace(self, n=1, seed=sample_seed(self.seed, i)) for i in range(self.n)]
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """The seed of sample ``index`` of a request seeded with ``seed``: sample 0 keeps it (n=1 is unchanged), the
+    others get an int64 derived from (seed, index), so a seeded request with n > 1 reproduces sample by sample."""
+    if seed is None or index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)

@@ -9,7 +9,7 @@ import time
 import warnings
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,7 +23,7 @@ from dspark.cache.state import StatePool
 from dspark.config import CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
 from dspark.engine.caching import PrefixCaching
 from dspark.engine.grouping import length_groups
-from dspark.engine.metrics import EngineMetrics
+from dspark.engine.metrics import EngineMetrics, SpecDecodingMetrics
 from dspark.engine.request import Request, Status
 from dspark.engine.runner import ModelRunner
 from dspark.engine.scheduler import PrefillChunk, Scheduler, SchedulerOutput
@@ -51,21 +51,77 @@ class EngineError(ValueError):
 
 
 @dataclass(frozen=True)
+class CompletionOutput:
+    """One sample of a request, in vLLM's names (``error`` is dspark's: what raised while it was processed, set when
+    ``finish_reason == "error"``)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "abort", "error"; None while running
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class RequestOutput:
+    """One request, vLLM's shape: ``outputs`` holds its samples (one per engine request; ``LLM.generate`` gathers
+    ``SamplingParams.n`` of them). ``text``, ``token_ids``, ``finish_reason``, ``stop_reason`` and ``error`` are
+    aliases of ``outputs[0]``'s. ``spec_metrics``, the timings and the counts cover all samples."""
+
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
+    outputs: list[CompletionOutput]
     finished: bool
-    finish_reason: str | None
-    stop_reason: str | int | None
     spec_metrics: dict = field(default_factory=dict)
     num_preemptions: int = 0
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
-    error: str | None = None  # set when finish_reason == "error": what raised while this request was processed
     num_cached_tokens: int = 0  # prompt tokens a prefix-cache hit supplied (vLLM's RequestOutput field)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        return self.outputs[0].stop_reason
+
+    @property
+    def error(self) -> str | None:
+        return self.outputs[0].error
+
+
+def merge_samples(outs: Sequence[RequestOutput]) -> RequestOutput:
+    """The samples of one prompt (finished engine requests, sample 0 first) as one ``RequestOutput``: their
+    ``outputs`` in order, sample 0's id and prompt, counters summed over the samples, the earliest start and the
+    latest finish. One sample is returned as it is."""
+    if len(outs) == 1:
+        return outs[0]
+    first = outs[0]
+    starts = [o.first_token_time for o in outs if o.first_token_time is not None]
+    ends = [o.finish_time for o in outs if o.finish_time is not None]
+    return RequestOutput(
+        first.request_id,
+        first.prompt_token_ids,
+        [replace(o.outputs[0], index=i) for i, o in enumerate(outs)],
+        all(o.finished for o in outs),
+        SpecDecodingMetrics.summed([o.spec_metrics for o in outs]).request_report(),
+        sum(o.num_preemptions for o in outs),
+        min(o.arrival_time for o in outs),
+        min(starts, default=None),
+        max(ends) if len(ends) == len(outs) else None,
+        sum(o.num_cached_tokens for o in outs),
+    )
 
 
 @dataclass
@@ -185,6 +241,11 @@ class Engine:
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
     ) -> Request:
         params = params or SamplingParams()
+        if params.n != 1:
+            raise EngineError(
+                f"SamplingParams.n={params.n}: an engine request is one sample; add one request per "
+                "SamplingParams.samples() entry (LLM.generate does)"
+            )
         ids = list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(prompt)  # AutoTokenizer's ids
         if not ids:
             raise EngineError("prompt is empty; give at least one token")
@@ -457,28 +518,17 @@ class Engine:
         text = req.detok.text if req.detok is not None else ""
         if isinstance(req.stop_reason, str) and req.stop_reason in text:
             text = text[: text.index(req.stop_reason)]
-        s = req.spec
-        spec = {
-            "acceptance_length": s.acceptance_length,
-            "num_drafts": s.num_drafts,
-            "num_draft_tokens": s.num_draft_tokens,
-            "num_accepted_tokens": s.num_accepted_tokens,
-            "accepted_per_pos": list(s.accepted_per_pos),
-        }
+        sample = CompletionOutput(0, text, list(req.output_ids), req.finish_reason, req.stop_reason, req.error)
         return RequestOutput(
             req.request_id,
             list(req.prompt_ids),
-            list(req.output_ids),
-            text,
+            [sample],
             req.finished,
-            req.finish_reason,
-            req.stop_reason,
-            spec,
+            req.spec.request_report(),
             req.num_preemptions,
             req.arrival,
             req.first_token_time,
             req.finish_time,
-            req.error,
             req.num_cached_tokens,
         )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 logger = logging.getLogger("dspark")
@@ -41,6 +42,30 @@ class SpecDecodingMetrics:
     def acceptance_length(self) -> float | None:
         """τ = 1 + accepted / drafts (counts the bonus token)."""
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+
+    def request_report(self) -> dict:
+        """One request's counters as ``RequestOutput.spec_metrics`` shows them."""
+        return {
+            "acceptance_length": self.acceptance_length,
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_pos": list(self.accepted_per_pos),
+        }
+
+    @classmethod
+    def summed(cls, reports: Sequence[Mapping]) -> SpecDecodingMetrics:
+        """The counters of several ``request_report`` dicts added up (the samples of one prompt)."""
+        total = cls()
+        for r in reports:
+            total.num_drafts += r.get("num_drafts", 0)
+            total.num_draft_tokens += r.get("num_draft_tokens", 0)
+            total.num_accepted_tokens += r.get("num_accepted_tokens", 0)
+            per_pos = r.get("accepted_per_pos", [])
+            total.accepted_per_pos.extend([0] * (len(per_pos) - len(total.accepted_per_pos)))
+            for i, a in enumerate(per_pos):
+                total.accepted_per_pos[i] += a
+        return total
 
     @property
     def per_position_acceptance(self) -> list[float]:
