@@ -235,10 +235,13 @@ def test_bench_cli_end_to_end_writes_schema_json_and_png(tmp_path, capsys):
         assert row["num_prompts"] == (1 if row["dataset"] == "more.jsonl" else 2)
     names = {r["name"] for r in rows}
     expected = {"ar", "dspark", "dflash (head off)", "ngram", "hf-generate", "hf-prompt-lookup", "dspark-adaptive"}
+    expected |= {"dspark-guard"}  # what serve runs by default
     assert names == expected
     for r in rows:
         if r["name"] == "ar":
             assert r["speedup_vs_ar"] == 1.0
+        if r["name"] == "dspark-guard":  # drafts only while drafting pays: a cell may hold no rounds at all
+            continue
         spec = r["name"] in {"dspark", "dflash (head off)", "ngram", "dspark-adaptive"}
         assert (r["acceptance_length"] is not None) == spec, r["name"]
         assert (r["verify_rate"] is not None) == spec

@@ -326,8 +326,11 @@ def _timed_generate(engine, prompt: str | list[int], params) -> tuple[object, fl
     from dspark.llm import LLM
 
     llm = LLM.from_engine(engine)
-    # warm-up: the shapes a run will use (prefill, a few plain steps or rounds), so both timed runs are warm
+    # warm-up: the shapes a run will use (prefill, a few plain steps or rounds), so both timed runs are warm; the
+    # guard then starts afresh, deciding on the timed run's warm steps
     llm.generate(prompt, _replace_max_tokens(params, max(2, min(params.max_tokens, 4 * (engine.K + 1)))))
+    if engine.guard is not None:
+        engine.guard = type(engine.guard)()
     t0 = time.perf_counter()
     out = llm.generate(prompt, params)[0]
     if out.error is not None:

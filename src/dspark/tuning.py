@@ -4,8 +4,8 @@
 They belong to a target + drafter pair on a machine, not to the installed package: ``calibrate`` and ``profile``
 write them under ``$DSPARK_CACHE/tuning/<machine>/<pair>/``, and the engine looks there first, then next to the
 drafter and the target (where the shipped models carry theirs). The machine key is the CPU model, the torch build
-and its CPU capability (the cost table is a timing); the pair key hashes each model's resolved path and config.json,
-so a retrained drafter gets files of its own.
+and its CPU capability (the cost table is a timing); the pair key hashes each model's resolved path and the size and
+modification time of its config.json and weights (a stat, no read), so a retrained drafter gets files of its own.
 """
 
 from __future__ import annotations
@@ -31,9 +31,8 @@ def _model_key(path: Path | None) -> str:
     if path is None:
         return "none"
     p = Path(path).resolve()
-    config = p / "config.json"
-    text = config.read_bytes() if config.is_file() else b""
-    return f"{p}|{hashlib.sha256(text).hexdigest()[:16]}"
+    files = (p / "config.json", p / "model.safetensors")
+    return f"{p}|{[(f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]}"
 
 
 def tuning_dir(draft_dir: Path | None, target_dir: Path | None) -> Path:
