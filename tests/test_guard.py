@@ -304,3 +304,22 @@ def test_cold_first_steps_do_not_decide():
     assert SpeculationGuard(cold=0).cold == 0
     with pytest.raises(ValueError):
         SpeculationGuard(cold=-1)
+
+
+def test_warm_up_runs_the_first_shapes_and_forgets_them():
+    """serve warms the engine before its first client: a prefill and a few rounds ran, yet the counters, the guard
+    and the pool are as a fresh engine's, and a greedy request's tokens are unchanged."""
+    from dspark.llm import warm_up
+
+    spec = SpeculativeConfig(num_speculative_tokens=3)
+    fresh = Engine(*build_tiny_pair(3), spec, EngineConfig(dtype="float32"))
+    warm = Engine(*build_tiny_pair(3), spec, EngineConfig(dtype="float32"))
+    free = warm.num_pages_free
+    warm_up(warm)
+    assert warm.metrics.generation_tokens == 0 and warm.metrics.spec.num_drafts == 0
+    assert warm.guard is not None and warm.guard.buckets == {}
+    assert warm.num_pages_free == free and not warm.has_unfinished
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    ids = [[4, 5, 6, 7, 8]]
+    got = LLM.from_engine(warm).generate(ids, params)[0].token_ids
+    assert got == LLM.from_engine(fresh).generate(ids, params)[0].token_ids

@@ -148,21 +148,32 @@ def _default_threads(engine: Engine, model_key: str) -> None:
 
     if is_explicit():
         return
-    K = engine.K
-    params = SamplingParams(temperature=0.0, max_tokens=1 + 4 * (K + 1), ignore_eos=True)
-    prompt = [min(4, engine.target.config.vocab_size - 1)] * 16
     calls = iter(range(1 << 30))
-
-    def decode_steps() -> None:  # prefill + 4 decode steps of one request, under its own ids (no counter use)
-        engine.add_request(prompt, params, request_id=f"dspark-thread-calibration-{next(calls)}")
-        while engine.has_unfinished:
-            engine.step()
-
-    choose_threads(model_key, decode_steps)
+    choose_threads(model_key, lambda: _private_request(engine, f"dspark-thread-calibration-{next(calls)}"))
     if next(calls):  # it ran: the calibration requests must not show in the engine's counters (nor the guard's)
-        engine.metrics = EngineMetrics(log_interval_s=engine.cfg.log_stats_interval_s)
-        if engine.guard is not None:
-            engine.guard = SpeculationGuard()
+        _forget_private(engine)
+
+
+def warm_up(engine: Engine) -> None:
+    """Run the shapes a server's first requests take (a short prefill, a few decode steps or speculative rounds)
+    before serving, then forget them: the first client does not pay one-time costs, and neither the counters nor
+    the speculation guard see them."""
+    _private_request(engine, "dspark-warm-up")
+    _forget_private(engine)
+
+
+def _private_request(engine: Engine, request_id: str) -> None:
+    """Prefill + 4 decode steps (or rounds) of one greedy request under its own id, run to the end."""
+    params = SamplingParams(temperature=0.0, max_tokens=1 + 4 * (engine.K + 1), ignore_eos=True)
+    engine.add_request([min(4, engine.target.config.vocab_size - 1)] * 16, params, request_id=request_id)
+    while engine.has_unfinished:
+        engine.step()
+
+
+def _forget_private(engine: Engine) -> None:
+    engine.metrics = EngineMetrics(log_interval_s=engine.cfg.log_stats_interval_s)
+    if engine.guard is not None:
+        engine.guard = SpeculationGuard()
 
 
 def _set_target_backend(target: Any, backend: str | None) -> None:

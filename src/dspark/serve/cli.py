@@ -65,11 +65,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from dspark.llm import warm_up
     from dspark.serve.app import create_app
 
     config = server_config(args, os.environ)  # refuse a bad key or limit before loading the model
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(asctime)s %(name)s %(message)s")
     engine = _engine(args)
+    warm_up(engine)  # the first client finds the shapes warm
     app = create_app(engine, config)
     name = app.state.dspark.model_name
     method = engine.spec.method if engine.spec is not None else "none"
