@@ -220,6 +220,15 @@ def test_bad_inputs_get_openai_errors_and_server_keeps_serving(spec_server):
         (comp, {"prompt": "x", "n": 2}, 400, "n"),
         (comp, {"prompt": "x", "stop": 5}, 400, "stop"),
         (comp, {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+        # fields other servers apply that dspark does not yet: refused by name, never silently ignored
+        (comp, {"prompt": "x", "logit_bias": {"5": 100}}, 400, "logit_bias"),
+        (comp, {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+        (comp, {"prompt": "x", "frequency_penalty": 1}, 400, "frequency_penalty"),
+        (comp, {"prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+        (comp, {"prompt": "x", "min_tokens": 3}, 400, "min_tokens"),
+        (comp, {"prompt": "x", "guided_regex": "a+"}, 400, "guided_regex"),
+        (chat, {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, 400,
+         "response_format"),
         (comp, {"prompt": [10**6]}, 400, None),
         (comp, {"prompt": "x", "model": "no-such-model"}, 404, "model"),
         (comp, {"max_tokens": 3}, 400, "prompt"),
@@ -242,6 +251,9 @@ def test_bad_inputs_get_openai_errors_and_server_keeps_serving(spec_server):
         client(url).completions.create(model="target", prompt="x", n=2)
     ok = client(url).completions.create(model="target", prompt="still alive", max_tokens=3)
     assert ok.usage.completion_tokens >= 1 and httpx.get(f"{url}/health").status_code == 200
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "response_format": {"type": "text"}}
+    r = httpx.post(chat, json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2} | neutral)
+    assert r.status_code == 200, r.text  # their neutral values change nothing, so they are accepted
     wait_idle(engine)
 
 

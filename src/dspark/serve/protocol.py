@@ -3,8 +3,10 @@
 Requests ignore unknown fields (as vLLM does) and use strict types (as vLLM does): ``"max_tokens": true`` or
 ``"stream": "yes"`` are 400s, not coerced. An integer field takes any integral JSON number (``2.0`` is ``2``, as
 JSON Schema's "integer" says; ``2.5`` is a 400). Text must be valid Unicode (a lone surrogate such as ``"\ud800"`` is a
-400 naming the field). The fields dspark cannot honour (``logprobs``, ``echo``, ``n > 1``, ``best_of > 1``) are
-declared so they can be rejected with a clear 400 instead of being silently dropped.
+400 naming the field). The fields dspark cannot honour (``logprobs``, ``echo``, ``n > 1``, ``best_of > 1``,
+``logit_bias``, the presence / frequency / repetition penalties, ``min_tokens``, ``response_format`` and the guided /
+structured-output fields) are declared so that a value other than their neutral one is rejected with a clear 400
+instead of being silently dropped.
 
 The models are the server's contract: ``/openapi.json`` is generated from them, so every rule a request must
 meet that does not depend on the model being served is declared here (ranges, non-empty prompts, the supported
@@ -216,6 +218,10 @@ class KVTransferParams(_Request):
     decode_url: Annotated[Text, Field(pattern=r"^https?://")] | None = None
 
 
+NOT_APPLIED = "the dspark server does not apply it yet; omit it (plain sampling: temperature, top_p, top_k)"
+NO_STRUCTURED = "the dspark server has no structured outputs yet; omit it"
+
+
 class _SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI names, plus vLLM's top_k/ignore_eos).
     The ranges are ``SamplingParams``'s."""
@@ -233,6 +239,18 @@ class _SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
+    # accepted by OpenAI / vLLM servers but not applied here yet: refused by name (never silently ignored)
+    logit_bias: Annotated[dict[str, float] | None, only(None, {}, hint=NOT_APPLIED)] = None
+    presence_penalty: Annotated[float | None, only(None, 0, hint=NOT_APPLIED)] = None
+    frequency_penalty: Annotated[float | None, only(None, 0, hint=NOT_APPLIED)] = None
+    repetition_penalty: Annotated[float | None, only(None, 1, hint=NOT_APPLIED)] = None
+    min_tokens: Annotated[Int | None, only(None, 0, hint=NOT_APPLIED)] = None
+    response_format: Annotated[dict[str, Any] | None, only(None, {"type": "text"}, hint=NO_STRUCTURED)] = None
+    guided_json: Annotated[Any, only(None, hint=NO_STRUCTURED)] = None
+    guided_regex: Annotated[Any, only(None, hint=NO_STRUCTURED)] = None
+    guided_choice: Annotated[Any, only(None, hint=NO_STRUCTURED)] = None
+    guided_grammar: Annotated[Any, only(None, hint=NO_STRUCTURED)] = None
+    structured_outputs: Annotated[Any, only(None, hint=NO_STRUCTURED)] = None
     # between dspark instances (the P/D proxy sets it), so not in /openapi.json's public contract
     kv_transfer_params: SkipJsonSchema[KVTransferParams | None] = None
 
