@@ -442,3 +442,16 @@ def test_the_disk_tier_goes_with_a_server_that_is_stopped(sig, tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert not list(kv.glob(f"{offload.DIR_PREFIX}*")), log.read_text()
+
+
+@pytest.mark.parametrize("tier", ["cpu", "disk"])
+def test_a_hybrid_prefix_loads_back_when_snapshots_are_few(tier, tmp_path):
+    """A stateful target keeps few state snapshots (as many as it has request slots, by default): one the capacity
+    pushes out is stored with its block right then, so blocks evicted later still come back with their state and a
+    hit can end there. Outputs are unchanged."""
+    ref, _ = reference("hybrid", False)
+    eng = offload_engine("hybrid", False, tier, tmp_path, max_state_snapshots=1)
+    got, cached = run(eng)
+    assert got == ref
+    s = eng.prefix.offload.stats
+    assert s.loads[tier] > 0 and s.hits > 0 and cached[2] > 0, (s, cached)

@@ -16,6 +16,7 @@ tier stores a block's snapshot with its rows and saves it here again when it loa
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
@@ -111,6 +112,9 @@ class StateSnapshots:
         self.pool = pool
         self.capacity = capacity
         self._saved: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        # called with (block, state) when the capacity pushes a snapshot out while its block may still be cached:
+        # the KV offload keeps the block with its state then, so a later hit can still end there
+        self.on_capacity_drop: Callable[[bytes, torch.Tensor], None] | None = None
 
     def __contains__(self, block: bytes) -> bool:
         return block in self._saved
@@ -124,7 +128,9 @@ class StateSnapshots:
         if self.capacity <= 0 or block in self._saved:
             return False
         while len(self._saved) >= self.capacity:
-            self._saved.popitem(last=False)
+            old, old_state = self._saved.popitem(last=False)
+            if self.on_capacity_drop is not None:
+                self.on_capacity_drop(old, old_state)
         self._saved[block] = state
         return True
 

@@ -54,6 +54,7 @@ class PrefixCaching:
             cache.on_evict.append(self.snapshots.drop)  # its page is gone: no hit can end there any more
             if self.offload is not None:
                 self.offload.snapshots = self.snapshots
+                self.snapshots.on_capacity_drop = self.offload.spill
 
     def close(self) -> None:
         """Release what outlives the requests: the offload tiers (the disk tier's directory is removed)."""
@@ -150,6 +151,17 @@ class Offloading:
             self.store.store(block, lambda: self._payload(page, state), state is not None)
         except Exception:  # noqa: BLE001 - the engine must keep serving; the block is simply recomputed later
             self._fail("storing an evicted block")
+
+    def spill(self, block: bytes, state: torch.Tensor) -> None:
+        """A snapshot the capacity pushes out while its block is still cached: store the block with that state now
+        (at its page's eviction later the tiers already hold it), so a later hit can still end at this block."""
+        if self.failed or not self.store.writable or block not in self.cache:
+            return
+        try:
+            page = self.cache.page_of(block)
+            self.store.store(block, lambda: self._payload(page, state), True)
+        except Exception:  # noqa: BLE001 - the engine must keep serving; the block is simply recomputed later
+            self._fail("storing a block with its state snapshot")
 
     def _payload(self, page: int, state: torch.Tensor | None) -> dict[str, torch.Tensor]:
         P = self.cache.page_size
