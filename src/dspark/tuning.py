@@ -43,6 +43,22 @@ def tuning_dir(draft_dir: Path | None, target_dir: Path | None) -> Path:
     return cache_root() / "tuning" / machine / f"{name}-{pair}"
 
 
+def output_path(given: str | None, name: str, draft_dir: Path | None, target_dir: Path | None) -> Path:
+    """Where ``calibrate`` / ``profile`` write: ``given``, else the pair's tuning dir on this machine (created)."""
+    if given is not None:
+        return Path(given)
+    d = tuning_dir(draft_dir, target_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    return d / name
+
+
+def usage_line(given: str | None, key: str, path: Path) -> str:
+    """What to do with a written file: nothing when it is where the engine looks, else the speculative config key."""
+    if given is None:
+        return "adaptive verification uses it for this pair on this machine from now on"
+    return f'to use it: \'{{"enable_adaptive_verification": true, "{key}": "{path}"}}\''
+
+
 def find(name: str, draft_dir: Path | None, target_dir: Path | None, beside: Sequence[Path | None]) -> Path | None:
     """``name`` in the pair's tuning dir on this machine, else in the first of ``beside`` holding it."""
     cached = tuning_dir(draft_dir, target_dir) / name

@@ -202,6 +202,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from dspark.models.loading import load_drafter, load_target
     from dspark.precision import resolve_precision
     from dspark.threads import apply_known_threads, model_key
+    from dspark.tuning import SPS_FILE, output_path, usage_line
 
     if args.num_threads:
         from dspark.threads import set_threads
@@ -244,22 +245,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
         "repeats": cfg.repeats,
         "monotone_fit": cfg.monotone,
     }
-    output = args.output
-    if output is None:  # the pair's tuning dir on this machine, where the engine looks first
-        from dspark.tuning import SPS_FILE, tuning_dir
-
-        tuning_dir(draft_dir, target_dir).mkdir(parents=True, exist_ok=True)
-        output = str(tuning_dir(draft_dir, target_dir) / SPS_FILE)
+    output = output_path(args.output, SPS_FILE, draft_dir, target_dir)  # default: where the engine looks first
     save_profile(output, result, meta)
     t = result.table
     span = f"B = {int(t.num_tokens[0])}..{int(t.num_tokens[-1])}"
     print(f"wrote {output}: SPS over {span}, batch sizes {list(cfg.batch_sizes)}")
     for bs, row in zip(cfg.batch_sizes, t.steps_per_s):
         print(f"  batch {bs:>4}: {row[0]:8.1f} .. {row[-1]:8.1f} steps/s")
-    if args.output is None:
-        print("adaptive verification uses it for this pair on this machine from now on")
-    else:
-        print(f'to use it: \'{{"enable_adaptive_verification": true, "cost_table_path": "{output}"}}\'')
+    print(usage_line(args.output, "cost_table_path", output))
     return 0
 
 

@@ -18,6 +18,7 @@ from dspark.cli_common import add_precision_args
 from dspark.engine.engine import Engine
 from dspark.sampling_params import SamplingParams
 from dspark.spec.schedule import calibrate, calibration_report, fit_sts, save_sts, survival
+from dspark.tuning import STS_FILE, output_path, usage_line
 
 
 @dataclass(frozen=True)
@@ -190,7 +191,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         "draft": str(engine.draft_dir),
         "per_position": [{k: (None if v != v else v) for k, v in r.items()} for r in report],  # NaN -> null
     }
-    output = args.output or _default_output(engine)
+    output = output_path(args.output, STS_FILE, engine.draft_dir, engine.model_dir)
     save_sts(output, temps, extra)
     print(format_report(report))
     _warn_if_small(data.accepted, engine.K)
@@ -200,22 +201,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         plot_reliability(args.plot, data, temps, report, args.bins)
         print(f"wrote {args.plot}")
     print(f"wrote {output}: sts_temperatures = [{', '.join(f'{t:.3f}' for t in temps)}]")
-    if args.output is None:
-        print("adaptive verification uses it for this pair on this machine from now on")
-    else:
-        print(f'to use it: \'{{"enable_adaptive_verification": true, "calibration_path": "{output}"}}\'')
+    print(usage_line(args.output, "calibration_path", output))
     return 0
 
 
 MIN_ROUNDS_PER_POSITION = 100  # fewer reaching a position and its fitted temperature is noise
-
-
-def _default_output(engine) -> str:
-    from dspark.tuning import STS_FILE, tuning_dir
-
-    d = tuning_dir(engine.draft_dir, engine.model_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    return str(d / STS_FILE)
 
 
 def _warn_if_small(accepted: list[int], K: int) -> None:

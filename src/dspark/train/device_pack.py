@@ -56,6 +56,24 @@ def _file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _joined(src: Path, pieces: Sequence[dict], whole: str, fixes: dict[str, str], bad_join: str) -> bytes:
+    """The files ``pieces`` name (each {"file", "sha256"}) read from ``src``, checked one by one and joined, the
+    join checked against ``whole``; a missing or damaged piece is named with its fix."""
+    data = []
+    for p in pieces:
+        path = src / p["file"]
+        if not path.is_file():
+            raise PackError(f"{path}: missing ({fixes[p['file']]})")
+        piece = path.read_bytes()
+        if _sha256(piece) != p["sha256"]:
+            raise PackError(f"{path}: checksum mismatch ({fixes[p['file']]})")
+        data.append(piece)
+    blob = b"".join(data)
+    if _sha256(blob) != whole:
+        raise PackError(f"{src}: {bad_join}")
+    return blob
+
+
 def pack(
     items: Sequence[tuple[str, Path]], out: Path, first_call: int, call: int, preset: int = 6
 ) -> dict[str, object]:
@@ -111,18 +129,8 @@ def unpack(src: Path = STASH, dest: Path | None = None) -> dict[str, list[str]]:
     if not mpath.is_file():
         raise PackError(f"{mpath}: no manifest; carry the first call's folder (it holds {MANIFEST}) and stash it")
     manifest = json.loads(mpath.read_text())
-    parts = []
-    for c in manifest["chunks"]:
-        p = src / c["file"]
-        if not p.is_file():
-            raise PackError(f"{p}: missing (call {c['call']}); carry folder {c['call']} of the pack and stash it")
-        data = p.read_bytes()
-        if _sha256(data) != c["sha256"]:
-            raise PackError(f"{p}: checksum mismatch (call {c['call']}); carry that folder again")
-        parts.append(data)
-    blob = b"".join(parts)
-    if _sha256(blob) != manifest["sha256"]:
-        raise PackError(f"{src}: the joined chunks do not match the manifest; rebuild the pack")
+    fixes = {c["file"]: f"call {c['call']}: carry that folder again and stash it" for c in manifest["chunks"]}
+    blob = _joined(src, manifest["chunks"], manifest["sha256"], fixes, "the chunks do not join; rebuild the pack")
     raw = lzma.decompress(blob)
     if dest.exists():
         shutil.rmtree(dest)
@@ -176,18 +184,8 @@ def check_result_files(out: Path) -> None:
 def join(src: Path, meta: dict, dest: Path) -> list[str]:
     """Reassemble the parts ``meta`` (a ``split_results`` index) names from ``src``, check them, extract into
     ``dest`` → the members."""
-    data = []
-    for p in meta["parts"]:
-        path = Path(src) / p["file"]
-        if not path.is_file():
-            raise PackError(f"{path}: missing; fetch the device run's results again")
-        piece = path.read_bytes()
-        if _sha256(piece) != p["sha256"]:
-            raise PackError(f"{Path(src) / p['file']}: checksum mismatch; fetch the results again")
-        data.append(piece)
-    blob = b"".join(data)
-    if _sha256(blob) != meta["sha256"]:
-        raise PackError(f"{src}: the parts do not join into {meta['members']}; fetch the results again")
+    fixes = {p["file"]: "fetch the device run's results again" for p in meta["parts"]}
+    blob = _joined(Path(src), meta["parts"], meta["sha256"], fixes, f"the parts do not join into {meta['members']}")
     dest.mkdir(parents=True, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(blob), mode="r") as tar:
         tar.extractall(dest, filter="data")
