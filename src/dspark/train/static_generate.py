@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from dspark.cache.pool import PagedPool
+from dspark.device import synchronize
 from dspark.models.layers import causal_mask
 from dspark.sampling_params import SamplingParams
 from dspark.spec.accept import sample_next
@@ -51,10 +52,6 @@ class StaticStats:
     generated_tokens: int
     seconds: float
     batches: int
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.generated_tokens / max(self.seconds, 1e-9)
 
 
 class StaticGenerator:
@@ -110,8 +107,7 @@ class StaticGenerator:
             for i, resp in zip(rows, self._batch([prompts[i] for i in rows], [params[i] for i in rows], seeds)):
                 out[i] = resp
             batches += 1
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)  # the seconds include the device's queued work
         self.last_stats = StaticStats(len(prompts), sum(map(len, out)), time.perf_counter() - t0, batches)
         return out
 
