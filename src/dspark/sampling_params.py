@@ -1,6 +1,10 @@
 """Per-request sampling parameters (vLLM-compatible names), range-checked at construction so a bad value is
 refused where it enters (HTTP 400, ``ValueError`` from ``LLM.generate``, a CLI error), never inside the engine.
-``n`` samples of a prompt run as ``n`` engine requests (``SamplingParams.samples``)."""
+``n`` samples of a prompt run as ``n`` engine requests (``SamplingParams.samples``).
+
+Logits processing (``logit_bias``, ``min_tokens``, then the repetition / frequency / presence penalties, vLLM's
+names and order) changes the distribution that is sampled and that verification accepts against; ``logprobs`` and
+``prompt_logprobs`` report the model's raw distribution (log-softmax of the logits, before any processing)."""
 
 from __future__ import annotations
 
@@ -11,6 +15,10 @@ from dataclasses import dataclass, field, replace
 # Seeds and top_k go into int64 tensors (spec/rng.py hashes the two 32-bit words of each int64 seed).
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_TEMPERATURE = 100.0
+MAX_PENALTY = 2.0  # presence / frequency penalties lie in [-2, 2] (OpenAI)
+MAX_REPETITION_PENALTY = 100.0
+MAX_LOGIT_BIAS = 100.0  # logit_bias values lie in [-100, 100] (OpenAI)
+MAX_LOGPROBS = 20  # top alternatives per position (vLLM's default max_logprobs)
 
 
 class SamplingParamsError(ValueError):
@@ -48,6 +56,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     n: int = 1
+    logprobs: int | None = None  # per generated token: its logprob and the top-k alternatives' (0: its own only)
+    prompt_logprobs: int | None = None  # the same per prompt token (the first has none); no prefix-cache hit
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict, hash=False)
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are generated
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -55,6 +70,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids))
         self._check_numbers()
         self._check_lists()
+        self._check_processing()
         object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
@@ -66,8 +82,8 @@ class SamplingParams:
             raise _bad("top_p", self.top_p, "must be a number in (0, 1]")
         if not _is_int(self.top_k, -1):
             raise _bad("top_k", self.top_k, f"must be -1, 0 (off) or a positive integer <= {INT64_MAX}")
-        if not _is_int(self.max_tokens, 1):
-            raise _bad("max_tokens", self.max_tokens, f"must be an integer in [1, {INT64_MAX}]")
+        if not _is_int(self.max_tokens, 0):
+            raise _bad("max_tokens", self.max_tokens, f"must be an integer in [0, {INT64_MAX}] (0: the prompt only)")
         if self.seed is not None and not _is_int(self.seed):
             raise _bad("seed", self.seed, f"must be null or an integer in [{INT64_MIN}, {INT64_MAX}] (int64)")
         if not _is_int(self.n, 1):
@@ -82,6 +98,40 @@ class SamplingParams:
         bad_ids = [t for t in self.stop_token_ids if not _is_int(t, 0)]
         if bad_ids:
             raise _bad("stop_token_ids", bad_ids[0], f"token ids must be integers in [0, {INT64_MAX}]")
+
+    def _check_processing(self) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not _is_int(value, 0, MAX_LOGPROBS):
+                raise _bad(name, value, f"must be null or an integer in [0, {MAX_LOGPROBS}] (top alternatives)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_real(getattr(self, name), -MAX_PENALTY, MAX_PENALTY):
+                raise _bad(name, getattr(self, name), f"must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+        r = self.repetition_penalty
+        if not _is_real(r, 0.0, MAX_REPETITION_PENALTY) or r == 0:
+            raise _bad("repetition_penalty", r, f"must be a number in (0, {MAX_REPETITION_PENALTY:g}] (1 = off)")
+        if not _is_int(self.min_tokens, 0, self.max_tokens if _is_int(self.max_tokens) else INT64_MAX):
+            raise _bad("min_tokens", self.min_tokens, "must be an integer in [0, max_tokens]")
+        if not isinstance(self.logit_bias, dict):
+            raise _bad("logit_bias", self.logit_bias, "must be a dict {token_id: bias}")
+        bad = [(t, b) for t, b in self.logit_bias.items() if not _is_int(t, 0) or not _is_real(b, -100, 100)]
+        if bad:
+            raise _bad(
+                "logit_bias",
+                dict(bad[:1]),
+                f"keys must be token ids >= 0, values in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+            )
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the sampled distribution differs from the temperature / top-k / top-p one."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.min_tokens
+            or any(self.logit_bias.values())
+        )
 
     @property
     def greedy(self) -> bool:

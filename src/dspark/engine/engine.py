@@ -36,6 +36,8 @@ from dspark.sampling_params import SamplingParams
 from dspark.spec.accept import accept, sample_next
 from dspark.spec.draft_vocab import DraftVocab, read_draft_vocab
 from dspark.spec.guard import SpeculationGuard
+from dspark.spec.logprobs import TokenLogprobs, token_logprobs
+from dspark.spec.processing import process
 from dspark.spec.propose import Proposal, SamplingTensors
 from dspark.spec.schedule import SpsTable, choose_verify_lengths, default_cost_model, load_sts
 from dspark.tokenizer import ByteTokenizer, HFTokenizer
@@ -61,6 +63,7 @@ class CompletionOutput:
     finish_reason: str | None  # "stop", "length", "abort", "error"; None while running
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per token of token_ids (SamplingParams.logprobs set)
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,7 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_cached_tokens: int = 0  # prompt tokens a prefix-cache hit supplied (vLLM's RequestOutput field)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token, the first None (prompt_logprobs)
 
     @property
     def text(self) -> str:
@@ -121,6 +125,7 @@ def merge_samples(outs: Sequence[RequestOutput]) -> RequestOutput:
         min(starts, default=None),
         max(ends) if len(ends) == len(outs) else None,
         sum(o.num_cached_tokens for o in outs),
+        first.prompt_logprobs,
     )
 
 
@@ -252,6 +257,9 @@ class Engine:
         vocab = self.target.config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise EngineError(f"prompt token ids must be in [0, {vocab}); got {min(ids)}..{max(ids)}")
+        bad_bias = [t for t in params.logit_bias if t >= vocab]
+        if bad_bias:
+            raise EngineError(f"logit_bias: token id {bad_bias[0]} is not in the vocabulary [0, {vocab})")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise EngineError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context "
@@ -381,20 +389,46 @@ class Engine:
     def _prefill(self, chunks: list[PrefillChunk]) -> None:
         reqs = [c.request for c in chunks]
         tokens = [c.request.all_ids[c.start : c.end] for c in chunks]
-        logits = self.runner.target_forward(reqs, [c.start for c in chunks], tokens, last_only=True)
+        every_row = any(r.params.prompt_logprobs is not None for r in reqs)
+        logits = self.runner.target_forward(reqs, [c.start for c in chunks], tokens, last_only=not every_row)
+        if every_row:  # prompt log-likelihoods: every row's logits, then each chunk's last row as usual
+            self._record_prompt_logprobs(chunks, logits)
+            logits = logits[torch.arange(len(chunks)), torch.tensor([len(t) - 1 for t in tokens])][:, None]
         first = [i for i, c in enumerate(chunks) if c.end == c.request.prefill_target and not c.request.output_ids]
         for c in chunks:
             c.request.num_computed = c.end
             self.blocks.set_length(c.request.request_id, c.end)
         if self.prefix is not None:  # before sampling: a request that finishes at its first token still caches
             self.prefix.prefilled(chunks)
+        for i in [i for i in first if reqs[i].params.max_tokens == 0]:  # the prompt only: no token to sample
+            self._finish(reqs[i], "length")
+        first = [i for i in first if reqs[i].params.max_tokens > 0]
         if first:
-            sub = [reqs[i] for i in first]
-            sampling = self.runner.sampling_tensors(sub, 1, anchor_offset=-1)
-            tokens_out = sample_next(logits[first, 0], sampling).tolist()
-            for req, tok in zip(sub, tokens_out):
-                self._append(req, [tok])
+            self._first_tokens([reqs[i] for i in first], logits[first])
         self.runner.commit_states()  # last: a phase that raises is rerun from the states it started with
+
+    def _first_tokens(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        """Sample each request's first token from its prompt's last logits [B, 1, V]."""
+        sampling = self.runner.sampling_tensors(reqs, 1, anchor_offset=-1)
+        tokens = sample_next(self._processed(reqs, logits, None)[:, 0], sampling).tolist()
+        for i, (req, tok) in enumerate(zip(reqs, tokens)):
+            self._append(req, [tok], self._logprobs(req, logits[i], [tok]))
+
+    @staticmethod
+    def _record_prompt_logprobs(chunks: list[PrefillChunk], logits: torch.Tensor) -> None:
+        """Prompt tokens' raw logprobs from a prefill's every-row logits [B, T, V]: row r of a chunk starting at s
+        decided the token at position s + r + 1. The first prompt token has none (None); positions already
+        recorded (a prefill recomputed after preemption) are kept."""
+        for b, c in enumerate(chunks):
+            req, k = c.request, c.request.params.prompt_logprobs
+            if k is None:
+                continue
+            if not req.prompt_logprobs:
+                req.prompt_logprobs.append(None)
+            positions = range(max(len(req.prompt_logprobs), c.start + 1), min(c.end, len(req.prompt_ids) - 1) + 1)
+            if positions:
+                rows = logits[b, positions.start - 1 - c.start : positions.stop - 1 - c.start]
+                req.prompt_logprobs += token_logprobs(rows, [req.prompt_ids[p] for p in positions], k)
 
     def _may_draft(self, batch_size: int) -> bool:
         """Speculation is configured and a step over ``batch_size`` requests is within ``disable_by_batch_size``
@@ -447,21 +481,40 @@ class Engine:
     ) -> int:
         """Accept, commit, and return the tokens the step emitted (accepted drafts + one per request)."""
         with scope("step.accept"):
+            processed = self._processed(reqs, logits, proposal.tokens if proposal is not None else None)
             if proposal is None:
                 accepted = [0] * len(reqs)
-                nxt = sample_next(logits[:, 0], sampling).tolist()
+                nxt = sample_next(processed[:, 0], sampling).tolist()
             else:
                 rule = self.spec.rejection_sample_method if self.spec else "standard"
                 K = self.K
-                padded = torch.nn.functional.pad(logits, (0, 0, 0, K + 1 - logits.shape[1]))
+                padded = torch.nn.functional.pad(processed, (0, 0, 0, K + 1 - processed.shape[1]))
                 res = accept(proposal, torch.tensor(lengths), padded, sampling, rule)
                 accepted, nxt = res.num_accepted.tolist(), res.next_token.tolist()
         with scope("step.commit"):
-            self._commit(reqs, proposal, lengths, accepted, nxt)
+            self._commit(reqs, proposal, lengths, accepted, nxt, logits)
         return sum(accepted) + len(reqs)
 
+    def _processed(self, reqs: list[Request], logits: torch.Tensor, drafts: torch.Tensor | None) -> torch.Tensor:
+        """The distributions sampling and verification use: logits [B, T, V] of a round after each request's
+        logit_bias / min_tokens / penalties (spec/processing.py; row j counts d_1..d_j as generated)."""
+        pt = self.runner.processing_tensors(reqs, logits.shape[-1], self.eos_ids)
+        return logits if pt is None else process(logits, pt, drafts)
+
+    @staticmethod
+    def _logprobs(req: Request, rows: torch.Tensor, tokens: list[int]) -> list[TokenLogprobs] | None:
+        """The raw logprobs of ``tokens`` (rows [N, V]: the target logits each was decided by), if requested."""
+        k = req.params.logprobs
+        return None if k is None else token_logprobs(rows[: len(tokens)], tokens, k)
+
     def _commit(
-        self, reqs: list[Request], proposal: Proposal | None, lengths: list[int], accepted: list[int], nxt: list[int]
+        self,
+        reqs: list[Request],
+        proposal: Proposal | None,
+        lengths: list[int],
+        accepted: list[int],
+        nxt: list[int],
+        logits: torch.Tensor,
     ) -> None:
         self.metrics.spec.num_steps += 1
         for i, req in enumerate(reqs):
@@ -475,15 +528,18 @@ class Engine:
             if proposal is not None:
                 req.spec.record(lengths[i], n)
                 self.metrics.spec.record(lengths[i], n)
-            self._append(req, [*drafts, nxt[i]])
+            tokens = [*drafts, nxt[i]]
+            self._append(req, tokens, self._logprobs(req, logits[i], tokens))
 
     # ---- commit helpers --------------------------------------------------------------------------------
-    def _append(self, req: Request, tokens: list[int]) -> None:
+    def _append(self, req: Request, tokens: list[int], logprobs: list[TokenLogprobs] | None = None) -> None:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         p = req.params
-        for tok in tokens:
+        for j, tok in enumerate(tokens):
             req.output_ids.append(tok)
+            if logprobs is not None:
+                req.logprobs.append(logprobs[j])
             if req.detok is not None:
                 req.detok.step((tok,))
             self.metrics.generation_tokens += 1
@@ -518,7 +574,10 @@ class Engine:
         text = req.detok.text if req.detok is not None else ""
         if isinstance(req.stop_reason, str) and req.stop_reason in text:
             text = text[: text.index(req.stop_reason)]
-        sample = CompletionOutput(0, text, list(req.output_ids), req.finish_reason, req.stop_reason, req.error)
+        logprobs = list(req.logprobs) if req.params.logprobs is not None else None
+        sample = CompletionOutput(
+            0, text, list(req.output_ids), req.finish_reason, req.stop_reason, req.error, logprobs
+        )
         return RequestOutput(
             req.request_id,
             list(req.prompt_ids),
@@ -530,6 +589,7 @@ class Engine:
             req.first_token_time,
             req.finish_time,
             req.num_cached_tokens,
+            list(req.prompt_logprobs) if req.params.prompt_logprobs is not None else None,
         )
 
     def _drain(self) -> list[RequestOutput]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from dspark.engine.metrics import SpecDecodingMetrics
 from dspark.sampling_params import SamplingParams
+from dspark.spec.logprobs import TokenLogprobs
 from dspark.tokenizer import IncrementalDetokenizer
 
 
@@ -25,6 +26,8 @@ class Request:
     seed: int
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per output token (params.logprobs set)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # per prompt token (prompt_logprobs)
     status: Status = Status.WAITING
     num_computed: int = 0  # tokens whose target latents are in the cache (positions 0..num_computed-1)
     finish_reason: str | None = None

@@ -19,6 +19,7 @@ from dspark.models.drafter import DSparkDrafter
 from dspark.models.protocol import Target
 from dspark.profiling import scope
 from dspark.spec.draft_vocab import DraftVocab
+from dspark.spec.processing import ProcessingTensors
 from dspark.spec.propose import Proposal, SamplingTensors, draft_block, ngram_propose
 from dspark.spec.rng import round_counters
 
@@ -282,6 +283,36 @@ class ModelRunner:
             top_p=torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32),
             seeds=torch.tensor([r.seed for r in reqs], dtype=torch.long),
             counters=round_counters(anchor_pos, num_slots),
+        )
+
+    @staticmethod
+    def processing_tensors(reqs: Sequence[Request], vocab: int, eos_ids: set[int]) -> ProcessingTensors | None:
+        """Logits-processing inputs (spec/processing.py) of a round; None when no request processes its logits."""
+        if not any(r.params.processes_logits for r in reqs):
+            return None
+        B = len(reqs)
+        counts, bias = torch.zeros(B, vocab), torch.zeros(B, vocab)
+        prompt_seen, min_mask = torch.zeros(B, vocab, dtype=torch.bool), torch.zeros(B, vocab, dtype=torch.bool)
+        for i, r in enumerate(reqs):
+            p = r.params
+            if r.output_ids:
+                counts[i] = torch.bincount(torch.tensor(r.output_ids), minlength=vocab)[:vocab].float()
+            if p.repetition_penalty != 1.0:
+                prompt_seen[i, torch.tensor(r.prompt_ids, dtype=torch.long)] = True
+            if p.logit_bias:
+                bias[i, torch.tensor(list(p.logit_bias), dtype=torch.long)] = torch.tensor(list(p.logit_bias.values()))
+            if p.min_tokens:
+                held = sorted({t for t in (*eos_ids, *p.stop_token_ids) if t < vocab})
+                min_mask[i, torch.tensor(held, dtype=torch.long)] = True
+        return ProcessingTensors(
+            counts=counts,
+            prompt_seen=prompt_seen,
+            presence=torch.tensor([r.params.presence_penalty for r in reqs], dtype=torch.float32),
+            frequency=torch.tensor([r.params.frequency_penalty for r in reqs], dtype=torch.float32),
+            repetition=torch.tensor([r.params.repetition_penalty for r in reqs], dtype=torch.float32),
+            bias=bias,
+            min_left=torch.tensor([max(0, r.params.min_tokens - len(r.output_ids)) for r in reqs]),
+            min_mask=min_mask,
         )
 
 

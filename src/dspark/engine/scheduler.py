@@ -135,7 +135,7 @@ class Scheduler:
         state is worth a snapshot: at the end of the cached run when the hit stops short of it (other requests
         share that prefix: the next one hits), and at the prompt's last full block (a repeated prompt hits)."""
         req.num_cached_tokens, req.split_at = 0, ()
-        if self.prefix is None:
+        if self.prefix is None or req.params.prompt_logprobs is not None:  # every prompt row's logits are needed
             return
         P = self.blocks.page_size
         limit = (req.prefill_target - 1) // P
