@@ -205,7 +205,7 @@ def test_bad_inputs_get_openai_errors_and_server_keeps_serving(spec_server):
     cases = [
         (comp, b"{bad json", 400, None),
         (comp, {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
-        (comp, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        (chat, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
         (comp, {"prompt": "x", "max_tokens": 10**6}, 400, "max_tokens"),
         (comp, {"prompt": "x", "max_tokens": 1.5}, 400, "max_tokens"),
         (comp, {"prompt": too_long, "max_tokens": 4}, 400, "prompt"),
@@ -217,18 +217,23 @@ def test_bad_inputs_get_openai_errors_and_server_keeps_serving(spec_server):
         (comp, {"prompt": "x", "seed": 2**63}, 400, "seed"),
         (comp, {"prompt": "x", "seed": -(2**64)}, 400, "seed"),
         (chat, {"messages": [{"role": "user", "content": "x"}], "seed": 2**64}, 400, "seed"),
-        (comp, {"prompt": "x", "n": 2}, 400, "n"),
+        (comp, {"prompt": "x", "n": 0}, 400, "n"),
         (comp, {"prompt": "x", "stop": 5}, 400, "stop"),
-        (comp, {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+        (comp, {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+        (comp, {"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias.5"),
+        (comp, {"prompt": "x", "logit_bias": {"a": 1}}, 400, None),  # the key is not a token id
+        (comp, {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+        (comp, {"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty"),
+        (comp, {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+        (comp, {"prompt": "x", "min_tokens": -1}, 400, "min_tokens"),
         # fields other servers apply that dspark does not yet: refused by name, never silently ignored
-        (comp, {"prompt": "x", "logit_bias": {"5": 100}}, 400, "logit_bias"),
-        (comp, {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
-        (comp, {"prompt": "x", "frequency_penalty": 1}, 400, "frequency_penalty"),
-        (comp, {"prompt": "x", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
-        (comp, {"prompt": "x", "min_tokens": 3}, 400, "min_tokens"),
         (comp, {"prompt": "x", "guided_regex": "a+"}, 400, "guided_regex"),
-        (chat, {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, 400,
-         "response_format"),
+        (
+            chat,
+            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+            400,
+            "response_format",
+        ),
         (comp, {"prompt": [10**6]}, 400, None),
         (comp, {"prompt": "x", "model": "no-such-model"}, 404, "model"),
         (comp, {"max_tokens": 3}, 400, "prompt"),
@@ -247,8 +252,8 @@ def test_bad_inputs_get_openai_errors_and_server_keeps_serving(spec_server):
         assert set(err) == {"message", "type", "param", "code"} and err["message"], (body, err)
         if param is not None:
             assert err["param"] == param, (body, err)
-    with pytest.raises(openai.BadRequestError, match="n=2"):
-        client(url).completions.create(model="target", prompt="x", n=2)
+    with pytest.raises(openai.BadRequestError, match="best_of=2"):
+        client(url).completions.create(model="target", prompt="x", best_of=2)
     ok = client(url).completions.create(model="target", prompt="still alive", max_tokens=3)
     assert ok.usage.completion_tokens >= 1 and httpx.get(f"{url}/health").status_code == 200
     neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "response_format": {"type": "text"}}

@@ -76,7 +76,7 @@ def openapi(server):
         ("/tokenize", [], None),
         ("/v1/completions", {"prompt": "x", "top_k": 2.5}, "top_k"),
         ("/v1/completions", {"prompt": [[1], [-1]]}, "prompt"),
-        ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
+        ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
         ("/detokenize", {"tokens": [10**6]}, "tokens"),
     ],
 )

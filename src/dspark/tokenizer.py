@@ -96,6 +96,10 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Each token's own text, special tokens included (the tokens of a logprobs response)."""
+        return list(self.tok.batch_decode([[i] for i in ids], skip_special_tokens=False))
+
     def detokenizer(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.decode)
 
@@ -134,6 +138,10 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         data = bytes((i - self.offset) % 256 for i in ids if i >= self.offset)
         return data.decode("utf-8", errors="replace")
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Each token's own text; a special token (below the byte offset) shows as ``<id>``."""
+        return [self.decode([i]) if i >= self.offset else f"<{i}>" for i in ids]
 
     def detokenizer(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.decode)

@@ -53,19 +53,32 @@ def encode_chat(engine: Engine, messages: Sequence[ChatMessage]) -> list[int]:
     return encode_prompt(engine, render_chat(engine, messages), add_special_tokens=False)  # the template's own
 
 
-def encode_completion_prompts(engine: Engine, prompt: CompletionPrompt, max_prompts: int) -> list[list[int]]:
-    """One token-id list per prompt of a completions request (a string, token ids, or a batch of either; the
-    request model already refused empty prompts and negative ids)."""
+def completion_prompts(prompt: CompletionPrompt) -> list[str | list[int]]:
+    """The prompts of a completions request: a string, token ids, or a batch of either."""
     if isinstance(prompt, str) or all(isinstance(x, int) for x in prompt):
-        prompt = [prompt]  # type: ignore[list-item]
-    if len(prompt) > max_prompts:
+        return [prompt]  # type: ignore[list-item]
+    return list(prompt)  # type: ignore[arg-type]
+
+
+def check_samples(num_prompts: int, n: int, max_prompts: int) -> None:
+    """Prompts x n samples are engine requests: at most the server's --max-prompts-per-request."""
+    if num_prompts * n > max_prompts:
         raise APIError(
             400,
-            f"{len(prompt)} prompts in one request; at most {max_prompts} (the server's --max-prompts-per-request): "
-            "split the batch over several requests",
-            param="prompt",
+            f"{num_prompts} prompt(s) x n={n} samples = {num_prompts * n} generations in one request; at most "
+            f"{max_prompts} (the server's --max-prompts-per-request): split the request",
+            param="prompt" if n == 1 else "n",
             code=TOO_MANY_PROMPTS,
         )
+
+
+def encode_completion_prompts(
+    engine: Engine, prompt: CompletionPrompt, max_prompts: int, n: int = 1
+) -> list[list[int]]:
+    """One token-id list per prompt of a completions request (the request model already refused empty prompts and
+    negative ids); at most ``max_prompts`` generations (prompts x n)."""
+    prompt = completion_prompts(prompt)
+    check_samples(len(prompt), n, max_prompts)
     ids = [encode_prompt(engine, p) if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[arg-type]
     check_token_ids(engine, [t for p in ids for t in p], "prompt")
     return ids
@@ -93,8 +106,8 @@ def check_length(engine: Engine, n_prompt: int, max_tokens: int, prompt_param: s
             param=prompt_param,
             code=CONTEXT_LENGTH_EXCEEDED,
         )
-    if max_tokens < 1:
-        raise APIError(400, f"max_tokens={max_tokens} is invalid: it must be at least 1", param="max_tokens")
+    if max_tokens < 0:
+        raise APIError(400, f"max_tokens={max_tokens} is invalid: it must be at least 0", param="max_tokens")
     if n_prompt + max_tokens > limit:
         raise APIError(
             400,
@@ -105,8 +118,22 @@ def check_length(engine: Engine, n_prompt: int, max_tokens: int, prompt_param: s
         )
 
 
-def sampling_params_of(req: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+def _logprobs_of(req: CompletionRequest | ChatCompletionRequest) -> tuple[int | None, int | None]:
+    """(logprobs, prompt_logprobs) of SamplingParams: completions' ``logprobs`` (and with ``echo`` the prompt's);
+    chat's ``top_logprobs`` when ``logprobs`` is true or ``top_logprobs`` > 0."""
+    if isinstance(req, CompletionRequest):
+        return req.logprobs, req.logprobs if req.echo else None
+    top = req.top_logprobs or 0
+    return (top if req.logprobs or top else None), None
+
+
+def sampling_params_of(
+    engine: Engine, req: CompletionRequest | ChatCompletionRequest, max_tokens: int
+) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    bias = {int(t): b for t, b in (req.logit_bias or {}).items()}
+    check_token_ids(engine, list(bias), "logit_bias")
+    logprobs, prompt_logprobs = _logprobs_of(req)
     return SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
@@ -117,4 +144,11 @@ def sampling_params_of(req: CompletionRequest | ChatCompletionRequest, max_token
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
         n=req.n,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=bias,
+        min_tokens=req.min_tokens or 0,
     )

@@ -3,10 +3,9 @@
 Requests ignore unknown fields (as vLLM does) and use strict types (as vLLM does): ``"max_tokens": true`` or
 ``"stream": "yes"`` are 400s, not coerced. An integer field takes any integral JSON number (``2.0`` is ``2``, as
 JSON Schema's "integer" says; ``2.5`` is a 400). Text must be valid Unicode (a lone surrogate such as ``"\ud800"`` is a
-400 naming the field). The fields dspark cannot honour (``logprobs``, ``echo``, ``n > 1``, ``best_of > 1``,
-``logit_bias``, the presence / frequency / repetition penalties, ``min_tokens``, ``response_format`` and the guided /
-structured-output fields) are declared so that a value other than their neutral one is rejected with a clear 400
-instead of being silently dropped.
+400 naming the field). Every field a request may carry is applied or refused: the fields dspark cannot honour
+(``best_of > 1``, ``suffix``, ``response_format`` and the guided / structured-output fields) are declared so that a
+value other than their neutral one is rejected with a clear 400 instead of being silently dropped.
 
 The models are the server's contract: ``/openapi.json`` is generated from them, so every rule a request must
 meet that does not depend on the model being served is declared here (ranges, non-empty prompts, the supported
@@ -28,7 +27,15 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Dis
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError, core_schema
 
-from dspark.sampling_params import INT64_MAX, INT64_MIN, MAX_TEMPERATURE
+from dspark.sampling_params import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
+)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 CHAT_DEFAULT_MAX_TOKENS = 256  # chat default, capped by what the context has left after the prompt
@@ -218,8 +225,11 @@ class KVTransferParams(_Request):
     decode_url: Annotated[Text, Field(pattern=r"^https?://")] | None = None
 
 
-NOT_APPLIED = "the dspark server does not apply it yet; omit it (plain sampling: temperature, top_p, top_k)"
 NO_STRUCTURED = "the dspark server has no structured outputs yet; omit it"
+
+
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,18}$")]  # a logit_bias key: a token id as a decimal string
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), Integral]
 
 
 class _SamplingFields(_Request):
@@ -235,16 +245,16 @@ class _SamplingFields(_Request):
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT64_MAX), Integral]] | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False  # vLLM extension: token_ids / prompt_token_ids on non-streaming choices
-    n: Annotated[Int, only(1, hint="only n=1; send several requests instead")] = 1
+    n: Annotated[int, Field(ge=1, le=INT64_MAX), Integral] = 1  # independent samples (prompts x n: TOO_MANY_PROMPTS)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None
-    # accepted by OpenAI / vLLM servers but not applied here yet: refused by name (never silently ignored)
-    logit_bias: Annotated[dict[str, float] | None, only(None, {}, hint=NOT_APPLIED)] = None
-    presence_penalty: Annotated[float | None, only(None, 0, hint=NOT_APPLIED)] = None
-    frequency_penalty: Annotated[float | None, only(None, 0, hint=NOT_APPLIED)] = None
-    repetition_penalty: Annotated[float | None, only(None, 1, hint=NOT_APPLIED)] = None
-    min_tokens: Annotated[Int | None, only(None, 0, hint=NOT_APPLIED)] = None
+    # logits processing (SamplingParams): the distribution sampled and verified against, exact under speculation
+    logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
+    presence_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=MAX_REPETITION_PENALTY)] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=INT64_MAX), Integral] | None = None  # EOS / stop ids held back
     response_format: Annotated[dict[str, Any] | None, only(None, {"type": "text"}, hint=NO_STRUCTURED)] = None
     guided_json: Annotated[Any, only(None, hint=NO_STRUCTURED)] = None
     guided_regex: Annotated[Any, only(None, hint=NO_STRUCTURED)] = None
@@ -255,7 +265,6 @@ class _SamplingFields(_Request):
     kv_transfer_params: SkipJsonSchema[KVTransferParams | None] = None
 
 
-NO_LOGPROBS = "the dspark server does not compute logprobs; omit 'logprobs'"
 CompletionPrompt = Text | list[Text] | list[Int] | list[list[Int]]
 
 
@@ -263,9 +272,10 @@ class CompletionRequest(_SamplingFields):
     model_config = example(prompt="The capital of France is", max_tokens=8)
 
     prompt: Annotated[CompletionPrompt, Rule(_prompt_problem, _declare_non_empty_ids)]
-    max_tokens: MaxTokens | None = COMPLETIONS_DEFAULT_MAX_TOKENS
-    logprobs: Annotated[Int | None, only(None, hint=NO_LOGPROBS)] = None
-    echo: Annotated[bool, only(False, hint="omit 'echo'")] = False
+    # 0: no generated token (with echo and logprobs: the prompt's log-likelihoods from one prefill)
+    max_tokens: Annotated[int, Field(ge=0), Integral] | None = COMPLETIONS_DEFAULT_MAX_TOKENS
+    logprobs: TopLogprobs | None = None  # per token: its logprob and the top-k alternatives'
+    echo: bool = False  # the prompt before the completion (and its tokens' logprobs, the first null)
     best_of: Annotated[Int | None, only(None, 1, hint="only 1")] = None
     suffix: Annotated[Text | None, only(None, "", hint="omit 'suffix'")] = None
 
@@ -290,8 +300,8 @@ class ChatCompletionRequest(_SamplingFields):
     messages: Messages
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
-    logprobs: Annotated[bool, only(False, hint=NO_LOGPROBS)] = False
-    top_logprobs: Annotated[Int | None, only(None, 0, hint=NO_LOGPROBS)] = None
+    logprobs: bool = False
+    top_logprobs: TopLogprobs | None = None  # alternatives per token; > 0 returns logprobs even without 'logprobs'
 
 
 class TokenizeCompletionRequest(_Request):
@@ -373,10 +383,34 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions layout: per token its text, logprob (null for an echoed prompt's first token), the
+    top alternatives by text, and its character offset in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     token_ids: list[int] | None = None
@@ -411,7 +445,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     token_ids: list[int] | None = None
@@ -436,7 +470,7 @@ class DeltaMessage(BaseModel):
 class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
