@@ -5,11 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from dspark.engine.metrics import SpecDecodingMetrics
 from dspark.sampling_params import SamplingParams
-from dspark.spec.logprobs import TokenLogprobs
 from dspark.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:  # policy modules (the scheduler) import this one and no torch
+    from dspark.spec.logprobs import TokenLogprobs
 
 
 class Status(enum.Enum):
