@@ -110,8 +110,8 @@ class SamplingParams:
         r = self.repetition_penalty
         if not _is_real(r, 0.0, MAX_REPETITION_PENALTY) or r == 0:
             raise _bad("repetition_penalty", r, f"must be a number in (0, {MAX_REPETITION_PENALTY:g}] (1 = off)")
-        if not _is_int(self.min_tokens, 0, self.max_tokens if _is_int(self.max_tokens) else INT64_MAX):
-            raise _bad("min_tokens", self.min_tokens, "must be an integer in [0, max_tokens]")
+        if not _is_int(self.min_tokens, 0):  # above max_tokens: EOS is held back for every token
+            raise _bad("min_tokens", self.min_tokens, f"must be an integer in [0, {INT64_MAX}]")
         if not isinstance(self.logit_bias, dict):
             raise _bad("logit_bias", self.logit_bias, "must be a dict {token_id: bias}")
         bad = [(t, b) for t, b in self.logit_bias.items() if not _is_int(t, 0) or not _is_real(b, -100, 100)]
