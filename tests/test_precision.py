@@ -16,8 +16,9 @@ from dspark import native, precision
 from dspark.cli import build_parser, main
 from dspark.config import DTYPE_CHOICES, QUANTIZATIONS, ConfigError, EngineConfig
 from dspark.llm import build_engines
+from dspark.models.loading import resolve_precision
 from dspark.models.tiny import write_tiny_pair
-from dspark.precision import choose_dtype, native_bf16, resolve_precision
+from dspark.precision import choose_dtype, native_bf16
 
 AVX512_BF16 = {"fpu", "avx2", "avx512f", "avx512_bf16"}
 SAPPHIRE_RAPIDS = {"avx2", "avx512f", "amx_tile", "amx_bf16", "amx_int8"}

@@ -150,7 +150,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 def _serving_precision(target: Path | None):
     """The dtype and quantization generate/serve would choose by default for this target on this machine (a dense
     target's without one); None when the target's config cannot be read (a check reports that)."""
-    from dspark.precision import Precision, choose_dtype, cpu_capability, resolve_precision
+    from dspark.models.loading import resolve_precision
+    from dspark.precision import Precision, choose_dtype, cpu_capability
 
     if target is None:
         dtype, why = choose_dtype("auto", "none")

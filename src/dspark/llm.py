@@ -30,9 +30,8 @@ from dspark.doctor.gate import check_before_load, check_finite
 from dspark.engine.engine import Engine, RequestOutput, load_adaptive, merge_samples
 from dspark.engine.metrics import EngineMetrics
 from dspark.engine.request import Request
-from dspark.models.loading import load_drafter, load_target
+from dspark.models.loading import load_drafter, load_target, resolve_precision
 from dspark.models.spec import model_spec, one_read_per_model
-from dspark.precision import resolve_precision
 from dspark.sampling_params import SamplingParams
 from dspark.spec.guard import SpeculationGuard
 from dspark.threads import model_key as thread_model_key

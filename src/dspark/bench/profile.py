@@ -199,8 +199,7 @@ def _resolve(args: argparse.Namespace) -> tuple[Path, Path | None]:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from dspark.models.loading import load_drafter, load_target
-    from dspark.precision import resolve_precision
+    from dspark.models.loading import load_drafter, load_target, resolve_precision
     from dspark.threads import apply_known_threads, model_key
     from dspark.tuning import SPS_FILE, output_path, usage_line
 

@@ -411,9 +411,8 @@ def _pages_needed(lengths: Sequence[int], concurrency: int, extra: int, page: in
 def run_bench(cfg: BenchConfig) -> BenchReport:
     """Build every method on one loaded target, then run all cells interleaved; see the module docstring."""
     from dspark.bench.datasets import depth_prompts, encode_prompt, read_bench_prompts, read_sources
-    from dspark.models.loading import read_target_config
+    from dspark.models.loading import read_target_config, resolve_precision
     from dspark.models.spec import model_spec
-    from dspark.precision import resolve_precision
     from dspark.tokenizer import load_tokenizer
 
     notes: list[str] = []

@@ -319,8 +319,8 @@ def run_state(name: str, overrides: dict) -> bool:
     """``--run NAME``: the run's state lives in $DSPARK_CACHE/runs/NAME. When its checkpoint is there the run
     resumes (→ True); otherwise it starts fresh, warm-started from the drafter shipped for the target (its shape
     flags taken from that drafter unless given) when there is one and no --init-from. Edits ``overrides``."""
-    from dspark.checkpoint.gguf import cache_root
     from dspark.checkpoint.resolve import bundled_drafters
+    from dspark.paths import cache_root
     from dspark.train.checkpoint import checkpoint_path
 
     if not name or "/" in name or name.startswith("."):

@@ -1,6 +1,6 @@
 """Measure the native GGUF kernels: per-product times and a quantized-vs-dense decode A/B, in one process.
 
-    taskset -c 0 python -m dspark.native.bench [--threads 1] [--decode-tokens 64] [--rounds 3] [--no-decode]
+    taskset -c 0 python -m dspark.bench.native_kernels [--threads 1] [--decode-tokens 64] [--rounds 3] [--no-decode]
 
 1. One product of SmolLM2-135M's shapes (1536x576 and 576x1536 Q4_1, 576x576 Q4_1, the 49152x576 Q8_0 lm_head) at
    M = 1 (decode), 8 (an 8-token verify) and 16: the native exact and int8 kernels against fp32 and bf16
