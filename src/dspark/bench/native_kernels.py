@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import dspark.native as native
+from dspark.cli_common import add_threads_arg
 from dspark.models.quantized import BLOCK_BYTES, QTYPES, QuantWeight
 
 SHAPES = ((1536, 576, "Q4_1"), (576, 1536, "Q4_1"), (576, 576, "Q4_1"), (49152, 576, "Q8_0"))
@@ -128,7 +129,7 @@ def decode_rows(tokens: int, rounds: int) -> list[dict]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--threads", type=int, default=1)
+    add_threads_arg(p, default=1, help="torch threads (default 1)")
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--no-decode", action="store_true")
