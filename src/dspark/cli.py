@@ -267,7 +267,7 @@ def _prompt(engine, text: str, chat: bool) -> str | list[int]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from dspark.llm import build_engines
+    from dspark.llm import build_engines, engine_configs
 
     params = _sampling(args, args.max_tokens)  # refuse bad sampling values before loading anything
     apply_threads(args)
@@ -278,12 +278,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engines = build_engines(
         model,
         configs,
-        dtype=args.dtype,
+        *engine_configs(dtype=args.dtype,
         quantization=args.quantization,
         seed=args.seed or 0,
         attention_backend=args.attention_backend,
         enable_prefix_caching=args.enable_prefix_caching,
-        **kv_offload_kwargs(args),
+        **kv_offload_kwargs(args)),
     )
     chat, why = prompt_format(engines[0], args.chat)
     prompt = _prompt(engines[0], args.prompt, chat)
@@ -484,21 +484,21 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_verify_lossless(args: argparse.Namespace) -> int:
-    from dspark.llm import build_engines
+    from dspark.llm import build_engines, engine_configs
 
     depths = parse_depths(args.context_depths)
     apply_threads(args)
     model, demo = model_or_demo(args.model)
-    spec = json.loads(default_spec(args, model if demo else None) or json.dumps({"method": "dspark"}))
+    spec = default_spec(args, model if demo else None) or {"method": "dspark"}
     spec.setdefault("speculation_guard", False)  # every step drafts: the rounds are what is verified
     spec_engine, ar_engine = build_engines(
         model,
         [spec, None],
-        dtype=args.dtype,
+        *engine_configs(dtype=args.dtype,
         quantization=args.quantization,
         attention_backend=args.attention_backend,
         enable_prefix_caching=args.enable_prefix_caching,
-        **kv_offload_kwargs(args),
+        **kv_offload_kwargs(args)),
     )
     precision = spec_engine.precision
     print(

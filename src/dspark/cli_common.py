@@ -250,24 +250,18 @@ def model_or_demo(model: str | None) -> tuple[str | None, bool]:
     return str(target_dir), True
 
 
-def default_spec(args: argparse.Namespace, demo_dir: str | None) -> str | None:
-    """The speculative config as JSON text: --speculative-config (a dict from the ``json_object`` type, or JSON
-    text / ``@file`` from a parser without it, read here: never the raw ``@file`` string); else DSpark with the
-    bundled, shipped (or demo) drafter; None for --no-spec or a user model without a config."""
+def default_spec(args: argparse.Namespace, demo_dir: str | None) -> dict[str, Any] | None:
+    """The speculative config as a dict: --speculative-config (already parsed by the ``json_object`` type of
+    ``add_speculative_config_arg``); else DSpark with the bundled, shipped (or demo) drafter; None for --no-spec or a
+    user model without a config."""
     if getattr(args, "no_spec", False):
         return None
-    given = args.speculative_config
-    if given:
-        if isinstance(given, str):
-            try:
-                given = json_object(given)
-            except argparse.ArgumentTypeError as e:
-                raise ConfigError(f"--speculative-config: {e}") from None
-        return json.dumps(given)
+    if args.speculative_config:
+        return dict(args.speculative_config)
     if demo_dir is not None:
-        return json.dumps({"method": "dspark", "model": str(Path(demo_dir).parent / "draft")})
+        return {"method": "dspark", "model": str(Path(demo_dir).parent / "draft")}
     if args.model is None or _has_shipped_drafter(args.model):
-        return json.dumps({"method": "dspark"})
+        return {"method": "dspark"}
     return None
 
 

@@ -503,7 +503,7 @@ def _measure_ours(
     names: list[str], cells: list[Cell], cfg: BenchConfig, res: Resolved, k: int, tcfg: TargetConfig, notes: list[str]
 ) -> tuple[list[Parts], list[str]]:
     """Phase 1: our engines and the transformers baselines, interleaved; all of them are closed on return."""
-    from dspark.llm import build_engines
+    from dspark.llm import build_engines, engine_configs
 
     engine_names = [n for n in names if n in ENGINE_METHODS]
     page = 16
@@ -512,14 +512,14 @@ def _measure_ours(
     engines = build_engines(
         res.target_dir,
         [_spec_for(n, res, k, cfg.draft_window, cfg.draft_vocab_size) for n in engine_names],
-        dtype=cfg.dtype,
+        *engine_configs(dtype=cfg.dtype,
         quantization=cfg.quantization,
         max_num_seqs=max(cfg.concurrency),
         num_pages=num_pages + max(cfg.concurrency),
         page_size=page,
         seed=cfg.seed,
         max_model_len=min(tcfg.max_position_embeddings, 32768),
-        enable_prefix_caching=cfg.enable_prefix_caching,
+        enable_prefix_caching=cfg.enable_prefix_caching),
     )
     methods: list[Method] = [EngineMethod(method_label(n, res), e) for n, e in zip(engine_names, engines)]
     del engines

@@ -8,7 +8,6 @@ per position against the survival labels 1[accepted >= k] (DSpark §3.2.1).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -166,8 +165,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from dspark.llm import build_engine
 
     model, demo = model_or_demo(args.model)
-    spec_text = default_spec(args, model if demo else None) or json.dumps({"method": "dspark"})
-    spec = SpeculativeConfig.parse(spec_text)
+    spec = SpeculativeConfig.parse(default_spec(args, model if demo else None) or {"method": "dspark"})
     assert spec is not None
     # the full block is verified, every step drafts
     spec = replace(spec, enable_adaptive_verification=False, speculation_guard=False)
