@@ -4,6 +4,7 @@ bench)."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -26,6 +27,7 @@ from dspark.checkpoint.resolve import (
     shipped_drafts,
 )
 from dspark.config import CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
+from dspark.config.backends import BackendSubstitutionWarning
 from dspark.doctor.gate import check_before_load, check_finite
 from dspark.engine.engine import Engine, RequestOutput, load_adaptive, merge_samples
 from dspark.engine.metrics import EngineMetrics
@@ -95,7 +97,9 @@ def build_engines(
     target_spec = model_spec(target_dir)
     precision = resolve_precision(target_spec, engine.dtype, engine.quantization)
     dtype = precision.dtype
-    ecfg = replace(engine, dtype=dtype, quantization=precision.quantization)
+    with warnings.catch_warnings():  # the caller's config said it once, at construction
+        warnings.simplefilter("ignore", BackendSubstitutionWarning)
+        ecfg = replace(engine, dtype=dtype, quantization=precision.quantization)
     draft_dirs = [resolve_draft(spec, target_dir) if spec is not None else None for spec in specs]
     check_before_load(target_dir, draft_dirs)  # the doctor refuses what `dspark check` rejects
     target = load_target(target_spec, dtype, precision.quantization)  # only the target is quantized

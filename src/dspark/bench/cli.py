@@ -18,7 +18,7 @@ from dspark.cli_common import (
     float_list,
     int_list,
 )
-from dspark.config import ConfigError
+from dspark.config import ConfigError, SpeculativeConfig
 
 BASELINES_HELP = "dflash,ngram,dspark-adaptive,dspark-guard,hf-generate,hf-prompt-lookup,vllm,vllm-ngram,llama-cpp"
 
@@ -176,7 +176,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dflash-draft", default=None, help="markov_rank-0 drafter for 'dflash' (default: bundled, else head off)"
     )
-    p.add_argument("--num-speculative-tokens", type=int, default=None, help="K (default 7, capped by block_size)")
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help=f"K (default {SpeculativeConfig.num_speculative_tokens}, capped by block_size)",
+    )
     p.add_argument(
         "--context-depths",
         type=int_list,

@@ -286,5 +286,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--steps", type=int, default=16, help="--breakdown: profiled steps per method (default 16)")
     p.add_argument("--concurrency", type=int, default=1, help="--breakdown: concurrent requests (default 1)")
-    p.add_argument("--num-speculative-tokens", type=int, default=7, help="--breakdown: K (default 7)")
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=SpeculativeConfig.num_speculative_tokens,
+        help=f"--breakdown: K (default {SpeculativeConfig.num_speculative_tokens})",
+    )
     p.set_defaults(func=cmd_profile)

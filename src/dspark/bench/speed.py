@@ -224,7 +224,7 @@ class BenchConfig:
     temperatures: tuple[float, ...] = (0.0,)
     concurrency: tuple[int, ...] = (1,)
     baselines: tuple[str, ...] | None = None  # compared against ar + dspark (always run); None: every applicable
-    num_speculative_tokens: int | None = None  # None: 7, capped by the drafter's block_size
+    num_speculative_tokens: int | None = None  # None: SpeculativeConfig's, capped by the drafter's block_size
     context_depths: tuple[int, ...] = ()
     context_prompts: int = 4
     context_source: str | None = None  # corpus-format JSONL (default: the committed held-out sources)
