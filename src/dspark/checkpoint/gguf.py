@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from dspark.checkpoint.io import CheckpointError, Problem, save_state_dict
+from dspark.paths import cache_root
 
 EXPORT_VERSION = 1  # bump when the exported layout changes, so stale caches are rebuilt
 SUPPORTED_ARCHS = {  # general.architecture -> (HF model_type, HF architecture)
@@ -441,10 +442,6 @@ def gguf_source(export: str | Path) -> Path | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return p if (st.st_size, st.st_mtime_ns) == (rec.get("size"), rec.get("mtime_ns")) else None
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DSPARK_CACHE") or Path.home() / ".cache" / "dspark")
 
 
 def export_dir_for(path: str | Path) -> Path:

@@ -20,6 +20,7 @@ from dspark.checkpoint.gguf import gguf_source, read_gguf_blocks
 from dspark.checkpoint.io import save_state_dict
 from dspark.checkpoint.roster import load_module_strict
 from dspark.config import (
+    AUTO,
     QUANTIZATIONS,
     ConfigError,
     DraftConfig,
@@ -45,6 +46,7 @@ from dspark.models.protocol import Target
 from dspark.models.quantized import quantize_gguf_linears
 from dspark.models.spec import ModelSpec, model_spec
 from dspark.models.target import MLATarget
+from dspark.precision import Precision, choose_dtype, cpu_capability
 
 SpecOrPath = str | os.PathLike[str] | ModelSpec  # a model directory, or its spec
 
@@ -123,6 +125,13 @@ def choose_quantization(model: SpecOrPath, quantization: str) -> tuple[str, str]
     if not native_family:
         raise ConfigError(f"quantization {quantization!r}: model_type {model_type!r} is served dense only; use 'none'")
     return quantization, f"{source.name}, as asked"
+
+
+def resolve_precision(target: SpecOrPath, dtype: str = AUTO, quantization: str = AUTO) -> Precision:
+    """The target's weight format, then its dtype (which depends on it), for a model directory (or its spec)."""
+    quant, quant_why = choose_quantization(target, quantization)
+    name, dtype_why = choose_dtype(dtype, quant)
+    return Precision(name, quant, cpu_capability(), dtype_why, quant_why)
 
 
 def save_target(model: MLATarget, path: str | Path, dtype: str | torch.dtype | None = None) -> None:

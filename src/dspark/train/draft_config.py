@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from dspark.config import DraftConfig, GQATargetConfig, KimiLinearConfig, TargetConfig
+from dspark.config import DraftConfig, GQATargetConfig, KimiLinearConfig, SpeculativeConfig, TargetConfig
 from dspark.device import DEVICES
 from dspark.train.loss import LossWeights
 
@@ -36,7 +36,7 @@ def draft_config_for(
     confidence: bool = True,
     taps: Sequence[int] | None = None,
     num_taps: int = 4,
-    block_size: int = 7,
+    block_size: int = SpeculativeConfig.num_speculative_tokens,  # K: the drafter is trained for the engine's default
     mask_token_id: int = MASK_ID,
     intermediate_size: int | None = None,
 ) -> DraftConfig:
@@ -114,7 +114,7 @@ class DraftTrainConfig:
     confidence_head: bool = True
     target_layer_ids: tuple[int, ...] | None = None  # None: spread_taps(target depth, num_taps)
     num_taps: int = 4
-    block_size: int = 7
+    block_size: int = SpeculativeConfig.num_speculative_tokens
     mask_token_id: int = MASK_ID
     intermediate_size: int | None = None  # None: the target's
     init_std: float = 0.02
