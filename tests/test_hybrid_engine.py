@@ -210,10 +210,10 @@ def test_a_request_failing_mid_step_leaves_the_others_states_exact(spec_on):
     eng = Engine(target, drafter, spec, FP32)
     real = eng._append
 
-    def faulty(req, tokens):
+    def faulty(req, tokens, *rest):
         if req.prompt_ids == prompts[0] and len(req.output_ids) >= 2:  # the first request of every batch
             raise RuntimeError("injected fault")
-        return real(req, tokens)
+        return real(req, tokens, *rest)
 
     eng._append = faulty
     outs = LLM.from_engine(eng).generate(prompts, params)

@@ -3,6 +3,7 @@ that cannot write), and the engine: greedy output unchanged on MLA, GQA and hybr
 speculation when cached blocks are evicted to the CPU tier, the disk tier or both and loaded back; corrupt and
 truncated blocks dropped and recomputed; flags, counters and the report."""
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -346,8 +347,10 @@ def test_the_flags_reach_the_engine_from_llm_and_every_cli(tmp_path, monkeypatch
 
     seen = []
 
-    def capture(*args, **kwargs):
-        seen.append({k: v for k, v in kwargs.items() if k.startswith("kv_offload")})
+    def capture(*args, **kwargs):  # flat keywords (build_engine) or a CacheConfig (build_engines)
+        cache = next((a for a in (*args, *kwargs.values()) if isinstance(a, CacheConfig)), None)
+        given = {**(dataclasses.asdict(cache) if cache is not None else {}), **kwargs}
+        seen.append({k: v for k, v in given.items() if k.startswith("kv_offload")})
         raise SystemExit(0)
 
     monkeypatch.setattr(dspark.llm, "build_engines", capture)
