@@ -5,6 +5,8 @@ does; in bf16 a different summation order flips near-tied argmaxes."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -66,3 +68,14 @@ def test_speculative_greedy_equals_plain_greedy_with_many_prompts_batched_in_bf1
     speculative = greedy(SpeculativeConfig(method="dspark", num_speculative_tokens=7), 12)
     assert all(len(t) == 24 for t in alone)
     assert together == alone and speculative == alone
+
+
+def test_the_engine_says_at_start_up_what_is_not_invariant(caplog) -> None:
+    caplog.set_level(logging.INFO, logger="dspark.engine")
+    target, _ = reduced("mla", torch.bfloat16)
+    Engine(target, engine_config=EngineConfig(dtype="bfloat16"))
+    assert "bfloat16: each row's logits are independent of the batch" in caplog.text
+    assert "prefilled in other chunks" in caplog.text
+    caplog.clear()
+    Engine(build_tiny_pair(0)[0], engine_config=EngineConfig(dtype="float32"))
+    assert "independent of the batch" not in caplog.text
