@@ -356,7 +356,8 @@ def test_the_flags_reach_the_engine_from_llm_and_every_cli(tmp_path, monkeypatch
     monkeypatch.setattr(dspark.llm, "build_engines", capture)
     monkeypatch.setattr(dspark.llm, "build_engine", capture)
     parser = build_parser()
-    flags = ["--kv-offload-cpu-gib", "0.5", "--kv-offload-dir", "/kv", "--kv-offload-disk-gib", "2"]
+    offload = ["--kv-offload-cpu-gib", "0.5", "--kv-offload-dir", "/kv", "--kv-offload-disk-gib", "2"]
+    flags = [*offload, "--enable-prefix-caching"]  # offload keeps what the prefix cache evicts: the config asks both
     want = {"kv_offload_cpu_bytes": 1 << 29, "kv_offload_dir": "/kv", "kv_offload_disk_bytes": 1 << 31}
     default = dict(kv_offload_cpu_bytes=0, kv_offload_dir=None, kv_offload_disk_bytes=CacheConfig.kv_offload_disk_bytes)
     model = ["--model", str(target_dir)]
