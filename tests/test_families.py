@@ -108,3 +108,10 @@ def test_every_family_carries_what_the_package_asks():
             assert f.load is not None and f.drafter is not None, f.name
         assert all(family_of({"model_type": t}) is f for t in f.model_types if f.is_target)
     assert [f.name for f in FAMILIES.values() if f.quantizable] == [GQA.name]
+
+
+def test_the_drafter_has_one_backbone_per_draft_architecture():
+    from dspark.config import DRAFT_ARCHITECTURES
+    from dspark.models.drafter import BACKBONES
+
+    assert sorted(BACKBONES) == sorted(DRAFT_ARCHITECTURES)
