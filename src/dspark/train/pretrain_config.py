@@ -315,25 +315,22 @@ def hybrid_target_config(mla: TargetConfig, cfg: PretrainConfig) -> KimiLinearCo
 
     n = cfg.num_hidden_layers
     full = sorted({*range(cfg.full_attention_interval, n + 1, cfg.full_attention_interval), n})
-    d = (
-        mla.to_hf_dict()
-        | config_header(KIMI_LINEAR.model_types[0])
-        | {
-            "mla_use_nope": True,
-            "mla_use_output_gate": cfg.mla_use_output_gate,
-            "hidden_act": cfg.hidden_act,
-            "routed_scaling_factor": mla.routed_scaling_factor,
-            "first_k_dense_replace": cfg.first_k_dense_replace,
-            "mlp_layer_types": ["dense" if i < cfg.first_k_dense_replace else "sparse" for i in range(n)],
-            "linear_attn_config": {
-                "num_heads": cfg.kda_num_heads,
-                "head_dim": cfg.kda_head_dim,
-                "short_conv_kernel_size": 4,
-                "full_attn_layers": full,
-                "kda_layers": [i for i in range(1, n + 1) if i not in full],
-            },
-        }
-    )
+    d = mla.to_hf_dict() | config_header(KIMI_LINEAR.model_types[0])
+    d |= {
+        "mla_use_nope": True,
+        "mla_use_output_gate": cfg.mla_use_output_gate,
+        "hidden_act": cfg.hidden_act,
+        "routed_scaling_factor": mla.routed_scaling_factor,
+        "first_k_dense_replace": cfg.first_k_dense_replace,
+        "mlp_layer_types": ["dense" if i < cfg.first_k_dense_replace else "sparse" for i in range(n)],
+        "linear_attn_config": {
+            "num_heads": cfg.kda_num_heads,
+            "head_dim": cfg.kda_head_dim,
+            "short_conv_kernel_size": 4,
+            "full_attn_layers": full,
+            "kda_layers": [i for i in range(1, n + 1) if i not in full],
+        },
+    }
     for key in ("moe_latent_size", "attn_res_block_size"):
         if getattr(cfg, key) is not None:
             d[key] = getattr(cfg, key)
