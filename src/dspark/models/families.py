@@ -39,6 +39,7 @@ from dspark.models.target import MLATarget, MoE
 from dspark.precision import torch_dtype
 
 Weights = Mapping[str, TensorInfo]  # a checkpoint's tensor table, from its safetensors headers
+GQA_DRAFTER = "Qwen3DSparkModel"  # DeepSpec's GQA drafter architecture (it keeps its target's model_type: qwen3)
 
 # --------------------------------------------------------------------------------------------------------
 # DeepSeek-V3 / Kimi-K2 (MLA) and Llama / Qwen2 / Qwen3 (GQA)
@@ -162,7 +163,7 @@ def mla_drafter(cfg: TargetConfig) -> dict[str, Any]:
 def gqa_drafter(cfg: GQATargetConfig) -> dict[str, Any]:
     """DeepSpec's Qwen3DSparkModel (GQA) drafter of a GQA target: its KV heads and head_dim (one shared pool)."""
     return _drafter_widths(cfg) | {
-        "architecture": "Qwen3DSparkModel",
+        "architecture": GQA_DRAFTER,
         "num_key_value_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim,
     }
@@ -381,7 +382,6 @@ DSPARK = Family(
 FAMILIES: dict[str, Family] = {f.name: f for f in (MLA, GQA, KIMI_LINEAR, DSPARK)}
 _BY_MODEL_TYPE = {t: f for f in FAMILIES.values() for t in f.model_types}
 _BY_CONFIG = {f.config: f for f in FAMILIES.values()}
-GQA_DRAFTER = "Qwen3DSparkModel"  # DeepSpec's GQA drafter architecture (it keeps its target's model_type: qwen3)
 
 
 def family_of(config: Any) -> Family | None:
@@ -421,6 +421,6 @@ def is_gqa_drafter(config: Mapping[str, Any]) -> bool:
     return bool(archs) and archs[0] == GQA_DRAFTER
 
 
-def config_header(model_type: str, *archs: str) -> dict[str, Any]:
+def config_header(type_name: str, *archs: str) -> dict[str, Any]:
     """The keys a config.json names its model by (what ``family_of`` reads), for code that writes one."""
-    return ({"architectures": list(archs)} if archs else {}) | {"model_type": model_type}
+    return ({"architectures": list(archs)} if archs else {}) | {"model_type": type_name}
