@@ -47,6 +47,18 @@ class Precision:
         return asdict(self)
 
 
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def torch_dtype(name: str | torch.dtype) -> torch.dtype:
+    """A dtype name ("bfloat16", "float32", "float16") as its torch dtype; a torch dtype as itself."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in TORCH_DTYPES:
+        raise ConfigError(f"dtype {name!r} is not supported; use one of {sorted(TORCH_DTYPES)}")
+    return TORCH_DTYPES[name]
+
+
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (/proc/cpuinfo ``flags``, ``Features`` on Arm); empty where unreadable."""
     try:

@@ -31,11 +31,11 @@ from dspark.config import (
     CacheConfig,
     ConfigError,
     EngineConfig,
-    KimiLinearConfig,
     SpeculativeConfig,
     TargetConfig,
 )
 from dspark.engine.metrics import DecodeTimes, tau_bound
+from dspark.models.families import family_of
 from dspark.models.loading import read_draft_config
 from dspark.models.spec import one_read_per_model
 from dspark.sampling_params import SamplingParams
@@ -339,18 +339,15 @@ def method_names(cfg: BenchConfig, res: Resolved, notes: list[str]) -> list[str]
 
 
 def _peer_cannot_run(target_dir: Path, peer: str, notes: list[str], methods: Sequence[str]) -> bool:
-    """A hybrid kimi_linear target is out of reach of the peers on CPU: transformers' KimiLinearForCausalLM has
-    none of K3's additions (AttnRes, latent MoE, SiTU), and vLLM's KDA layers need its GPU kernels."""
+    """Whether ``peer`` cannot run the target (its family says what the peer lacks: ``Family.peer_gap``)."""
     from dspark.models.loading import read_target_config
 
     cfg = read_target_config(target_dir) if (target_dir / "config.json").is_file() else None
-    if not isinstance(cfg, KimiLinearConfig):
+    family = family_of(cfg) if cfg is not None else None
+    why = family.peer_gap(cfg, peer) if family is not None else None
+    if why is None:
         return False
-    k3 = cfg.attn_res_block_size or cfg.moe_latent_size or cfg.hidden_act != "silu"
-    if peer == "transformers" and not k3:
-        return False
-    why = "K3's AttnRes / latent MoE / SiTU" if peer == "transformers" else "KDA kernels on CPU"
-    notes.append(f"{', '.join(methods)}: skipped ({peer} has no {why} for this kimi_linear target)")
+    notes.append(f"{', '.join(methods)}: skipped ({peer} has no {why} for this {family.name} target)")
     return True
 
 

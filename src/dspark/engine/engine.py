@@ -28,6 +28,7 @@ from dspark.engine.request import Request, Status
 from dspark.engine.runner import ModelRunner
 from dspark.engine.scheduler import PrefillChunk, Scheduler, SchedulerOutput
 from dspark.models.drafter import DSparkDrafter
+from dspark.models.families import model_type
 from dspark.models.layers import DecoderTarget
 from dspark.models.packing import pack_for_inference
 from dspark.models.protocol import Target
@@ -239,7 +240,7 @@ class Engine:
         """What a cached block's rows depend on besides its tokens: the models and the page formats."""
         fmt = (self.target.page_format, self.drafter.page_format if self.drafter is not None else None)
         where = (self.model_ref or self.model_dir, self.draft_dir)
-        return f"{self.target.config.model_type}|{fmt}|{dtype}|{where}"
+        return f"{model_type(self.target.config)}|{fmt}|{dtype}|{where}"
 
     @property
     def num_pages_free(self) -> int:
