@@ -1,9 +1,9 @@
-"""GGUF weights served quantized: a tiny Llama written as Q4_0/Q4_1/Q8_0 GGUF, loaded with quantization 'gguf'
-(native kernels, exact fp32 arithmetic), 'gguf-int8', 'none' (the dequantized export) and through the PyTorch
+"""GGUF weights served quantized: a tiny Llama written as Q4_0/Q4_1/Q8_0 GGUF, loaded with quantization
+'gguf-exact' (native kernels, exact fp32 arithmetic), 'gguf', 'none' (the dequantized export) and through the PyTorch
 fallback (DSPARK_NATIVE=0).
 
-Tolerances: 'gguf' logits within 1e-4 of the dense fp32 model's (only the order of the sums differs); the
-fallback's equal them bit for bit; 'gguf-int8' within 5 % of the logit range (int8 activations).
+Tolerances: 'gguf-exact' logits within 1e-4 of the dense fp32 model's (only the order of the sums differs); the
+fallback's equal them bit for bit; 'gguf' within 5 % of the logit range (int8 activations).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def test_the_export_records_its_gguf_and_blocks_come_back_in_hf_row_order(export
 @pytest.mark.parametrize("fuse", [False, True])
 def test_gguf_serving_matches_the_dense_model(export, fuse):
     dense = logits(load_target(export, "float32"), fuse)
-    model = load_target(export, "float32", quantization="gguf")
+    model = load_target(export, "float32", quantization="gguf-exact")
     quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert len(quant) == 2 * 7 + 1 and isinstance(model.lm_head, QuantLinear)  # every linear and the tied head
     assert model.lm_head.qweight.qtype == "Q8_0"
@@ -81,17 +81,17 @@ def test_gguf_serving_matches_the_dense_model(export, fuse):
 @needs_native
 def test_gguf_int8_stays_near_the_dense_model(export):
     dense = logits(load_target(export, "float32"))
-    got = logits(load_target(export, "float32", quantization="gguf-int8"), fuse=True)
+    got = logits(load_target(export, "float32", quantization="gguf"), fuse=True)
     assert (got - dense).abs().max() <= 0.05 * (dense.max() - dense.min())
 
 
 def test_the_fallback_serves_the_export_values_bit_for_bit(export, monkeypatch):
     monkeypatch.setenv(native.ENV, "0")
     dense = logits(load_target(export, "float32"))
-    model = load_target(export, "float32", quantization="gguf")
+    model = load_target(export, "float32", quantization="gguf-exact")
     assert isinstance(model.lm_head, QuantLinear)
     assert torch.equal(logits(model, fuse=True), dense)  # fused groups stand aside: the dense path's products
-    bf16 = load_target(export, "bfloat16", quantization="gguf")
+    bf16 = load_target(export, "bfloat16", quantization="gguf-exact")
     assert bf16.lm_head.weight.dtype == torch.bfloat16
     assert torch.equal(logits(bf16), logits(load_target(export, "bfloat16")))
 
@@ -108,7 +108,7 @@ def test_auto_picks_gguf_only_for_a_gguf_export_with_kernels(export, tmp_path, m
             (plain / f.name).symlink_to(f)
     assert not isinstance(load_target(plain, "float32", quantization="auto").lm_head, QuantLinear)
     with pytest.raises(ConfigError, match="not the export of a .gguf file"):
-        load_target(plain, "float32", quantization="gguf")
+        load_target(plain, "float32", quantization="gguf-exact")
     with pytest.raises(ConfigError, match="quantization 'q4' is not supported"):
         load_target(export, "float32", quantization="q4")
 
@@ -133,7 +133,7 @@ def test_a_gguf_layer_runs_as_one_native_call_and_speculation_still_decodes_the_
     from dspark.llm import LLM
     from dspark.sampling_params import SamplingParams
 
-    model = load_target(export, "float32", quantization="gguf")
+    model = load_target(export, "float32", quantization="gguf-exact")
     calls: list[tuple[int, int, bool]] = []
     native_forward = llama.DecoderLayer.native_forward
 
@@ -196,7 +196,7 @@ def test_a_stack_of_native_layers_runs_as_one_call_with_the_same_values_and_taps
     qtypes = {k: (Q.Q4_1 if v == Q.Q8_0 and k == "blk.1.attn_v.weight" else v) for k, v in QTYPES.items()}
     src = tiny_hf(LlamaForCausalLM, LlamaConfig, tie_word_embeddings=True)
     model = load_target(export_gguf(write_gguf(tmp_path / "u.gguf", src, "llama", qtypes=qtypes), out=tmp_path / "e"),
-                        "float32", quantization="gguf")  # fmt: skip
+                        "float32", quantization="gguf-exact")  # fmt: skip
     model.fuse_for_inference()
     stacks = []
     real, arguments = llama.LlamaTarget.native_stack, llama.stack_arguments

@@ -33,7 +33,7 @@ def models():
     from dspark.models.loading import load_target
 
     path = resolve_model_ref("smollm2-135m-instruct")
-    dense, quant = load_target(path, "float32"), load_target(path, "float32", quantization="gguf")
+    dense, quant = load_target(path, "float32"), load_target(path, "float32", quantization="gguf-exact")
     cfg = dense.config
     return dense, quant, load_tokenizer(path, cfg.vocab_size, cfg.eos_token_ids, cfg.bos_token_id)
 
@@ -81,7 +81,7 @@ def test_dspark_on_the_quantized_smollm2_decodes_the_plain_greedy_tokens(models)
     assert speculative.metrics.spec.num_drafts > 0 and speculative.metrics.spec.num_accepted_tokens > 0
 
 
-@pytest.mark.parametrize("quantization", ["gguf", "gguf-int8"])
+@pytest.mark.parametrize("quantization", ["gguf-exact", "gguf"])
 def test_every_row_of_a_k_row_forward_is_its_one_row_forward_bit_for_bit(quantization):
     """A verification of k rows (k = 1..16, one native stack call) gives each row the logits a decode step at that
     position gives, bit for bit, in both arithmetics: the products (the int8 one over the packed weights), the

@@ -32,7 +32,7 @@ class Precision:
     """What a target is served in here, and why: ``dtype`` and ``quantization`` are never "auto"."""
 
     dtype: str  # "bfloat16" | "float16" | "float32"
-    quantization: str  # "none" | "gguf" | "gguf-int8"
+    quantization: str  # "none" | "gguf" | "gguf-exact"
     cpu_capability: str  # torch.backends.cpu.get_cpu_capability(): DEFAULT, AVX2, AVX512, ...
     dtype_why: str
     quantization_why: str

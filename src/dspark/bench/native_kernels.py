@@ -8,7 +8,7 @@
    weight from memory, where the 3.5-7x fewer bytes count more), and each kernel's time over its M = 1 time (the
    exact kernel's floor is M fp32 FMAs per weight, so its ratio approaches M where the product is compute bound).
 2. SmolLM2 plain greedy decode (the ``smollm2-135m-instruct`` alias; skipped when not installed): tokens/s of the
-   engine with quantization "gguf", "gguf-int8" and "none" (the dequantized export), fp32 and bf16, the variants
+   engine with quantization "gguf", "gguf-exact" and "none" (the dequantized export), fp32 and bf16, the variants
    interleaved round by round and the best round kept.
 
 Every line carries ``torch.backends.cpu.get_cpu_capability()`` and the kernels' build (``dspark.native.status``).
@@ -101,7 +101,7 @@ def decode_rows(tokens: int, rounds: int) -> list[dict]:
         path = resolve_model_ref("smollm2-135m-instruct")
     except ConfigError as e:
         return [{"decode": f"skipped: {e}"}]
-    variants = [(q, d) for d in ("float32", "bfloat16") for q in ("gguf", "gguf-int8", "none")]
+    variants = [(q, d) for d in ("float32", "bfloat16") for q in ("gguf", "gguf-exact", "none")]
     engines, tok = {}, None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -130,7 +130,8 @@ class SpeculativeConfig:
 DTYPES = ("bfloat16", "float16", "float32")  # --dtype / EngineConfig.dtype: weights, activations and KV pages
 AUTO = "auto"  # dtype / quantization chosen for this machine and model (dspark.precision)
 DTYPE_CHOICES = (AUTO, *DTYPES)
-QUANTIZATIONS = (AUTO, "gguf", "gguf-int8", "none")  # the target's weights: GGUF blocks as stored, or dense
+QUANTIZATIONS = (AUTO, "gguf", "gguf-exact", "none")  # the target's weights: GGUF blocks as stored (int8 or fp32
+# activations), or dense
 
 
 @dataclass(frozen=True)

@@ -61,9 +61,10 @@ def load_target(model: SpecOrPath, dtype: str | torch.dtype = "float32", quantiz
     native family goes through transformers with one warning.
 
     ``quantization``: "none" (dense weights, as exported), "gguf" (``path`` is the export of a .gguf file: its
-    Q4_0/Q4_1/Q8_0 linear weights are served as stored by the native kernels, exact fp32 arithmetic; see
-    ``dspark.models.quantized``), "gguf-int8" (the same with int8 activations, llama.cpp's arithmetic), or "auto"
-    ("gguf" for a GGUF export when the native kernels are available, else "none")."""
+    Q4_0/Q4_1/Q8_0 linear weights are served as stored by the native kernels in llama.cpp's arithmetic: activations
+    quantized per row to int8 blocks, integer dot products; see ``dspark.models.quantized``), "gguf-exact" (the same
+    blocks against exact fp32 activations: the reference), or "auto" ("gguf" for a GGUF export when the native
+    kernels are available, else "none")."""
     spec = model_spec(model)
     path = spec.path
     quantization = choose_quantization(spec, quantization)[0]
@@ -81,7 +82,7 @@ def load_target(model: SpecOrPath, dtype: str | torch.dtype = "float32", quantiz
         )
     model = spec.family.load(path, spec.config, torch_dtype(dtype), spec.weights)
     if quant is not None:
-        quantize_gguf_linears(model, read_gguf_blocks(quant), torch_dtype(dtype), int8=quantization == "gguf-int8")
+        quantize_gguf_linears(model, read_gguf_blocks(quant), torch_dtype(dtype), int8=quantization == "gguf")
         for m in model.modules():  # fp32 norms (and the residual add before them) as one native kernel each
             if isinstance(m, RMSNorm):
                 m.use_native()
@@ -89,7 +90,7 @@ def load_target(model: SpecOrPath, dtype: str | torch.dtype = "float32", quantiz
 
 
 def choose_quantization(model: SpecOrPath, quantization: str) -> tuple[str, str]:
-    """The weight format a target loads in, "none", "gguf" or "gguf-int8" ("auto" resolved), and why."""
+    """The weight format a target loads in, "none", "gguf" or "gguf-exact" ("auto" resolved), and why."""
     if quantization not in QUANTIZATIONS:
         raise ConfigError(f"quantization {quantization!r} is not supported; use one of {list(QUANTIZATIONS)}")
     if quantization == "none":
