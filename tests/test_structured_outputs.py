@@ -158,3 +158,79 @@ def test_bad_constraints_are_refused_by_name(pair):
         StructuredOutput(regex="a", choice=("b",))
     with pytest.raises(SamplingParamsError, match="choice"):
         StructuredOutput(choice=())
+
+
+# ---- through the server: response_format, structured_outputs and guided_* with the openai client --------------
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    from dspark.models.tiny import write_tiny_pair
+    from serve_helpers import make_engine, serving
+
+    files = write_tiny_pair(tmp_path_factory.mktemp("pair260"), target_cfg=tiny_target_config(vocab_size=260))
+    with serving(make_engine(files, spec=False)) as plain, serving(make_engine(files)) as spec:
+        yield {"plain": plain, "spec": spec}
+
+
+def _client(url):
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+GREEDY = {"temperature": 0, "max_tokens": 120}
+SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+
+
+def test_response_format_json_schema_on_chat_streaming_too(servers):
+    texts = {}
+    for name, url in servers.items():
+        msgs = [{"role": "user", "content": "who?"}]
+        r = _client(url).chat.completions.create(model="target", messages=msgs, response_format=SCHEMA_FORMAT, **GREEDY)
+        assert r.choices[0].finish_reason == "stop" and valid("json", r.choices[0].message.content)
+        stream = _client(url).chat.completions.create(
+            model="target", messages=msgs, response_format=SCHEMA_FORMAT, stream=True, **GREEDY
+        )
+        streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        assert streamed == r.choices[0].message.content
+        texts[name] = streamed
+    assert texts["plain"] == texts["spec"]
+
+
+@pytest.mark.parametrize(
+    "field,value,kind",
+    [
+        ("structured_outputs", {"choice": ["alpha", "beta", "gamma delta"]}, "choice"),
+        ("guided_choice", ["alpha", "beta", "gamma delta"], "choice"),
+        ("guided_regex", r"(ab|cd)+[0-9]{2}x", "regex"),
+        ("structured_outputs", {"grammar": 'root ::= "x" ("y" | "zz")+ "!"'}, "grammar"),
+        ("guided_json", SCHEMA, "json"),
+    ],
+)
+def test_structured_fields_on_completions(servers, field, value, kind):
+    texts = {}
+    for name, url in servers.items():
+        r = _client(url).completions.create(model="target", prompt="q", extra_body={field: value} | GREEDY)
+        texts[name] = r.choices[0].text
+        assert valid(kind, texts[name]), (field, texts[name])
+    assert texts["plain"] == texts["spec"]
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"guided_regex": "(unclosed"}, "guided_regex"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+        ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "no"}}}, "response_format"),
+    ],
+)
+def test_bad_structured_requests_are_400s_naming_the_field(servers, body, param):
+    import httpx
+
+    r = httpx.post(f"{servers['spec']}/v1/completions", json={"prompt": "q", "max_tokens": 4} | body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param or param in r.json()["error"]["message"], r.text

@@ -65,7 +65,7 @@ class StructuredOutput:
     grammar: str | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.json, dict | bool):
+        if isinstance(self.json, dict):
             object.__setattr__(self, "json", json.dumps(self.json))
         if isinstance(self.choice, list):
             object.__setattr__(self, "choice", tuple(self.choice))
@@ -75,20 +75,25 @@ class StructuredOutput:
         self._check_values()
 
     def _check_values(self) -> None:
-        for name in ("json", "regex", "grammar"):
+        for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise _bad(
-                    f"structured.{name}",
-                    value,
-                    "must be a non-empty string" + (" or a JSON schema object" if name == "json" else ""),
-                )
+                raise _bad(f"structured.{name}", value, "must be a non-empty string")
+        if self.json is not None and not isinstance(_json_object(self.json), dict):
+            raise _bad("structured.json", self.json, "must be a JSON schema: an object, or its JSON text")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
             raise _bad("structured.choice", self.choice, "must be a non-empty list of non-empty strings")
 
     @property
     def kind(self) -> str:
         return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+
+def _json_object(text: object) -> object:
+    try:
+        return json.loads(text) if isinstance(text, str) else None
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from jinja2 import TemplateError
 
 from dspark.config import ConfigError
-from dspark.engine.engine import Engine
-from dspark.sampling_params import SamplingParams
+from dspark.engine.engine import Engine, EngineError
+from dspark.sampling_params import SamplingParams, SamplingParamsError, StructuredOutput
 from dspark.serve.errors import APIError
 from dspark.serve.protocol import (
     CHAT_TEMPLATE_ERROR,
@@ -24,6 +24,16 @@ from dspark.serve.protocol import (
     ChatMessage,
     CompletionPrompt,
     CompletionRequest,
+    ResponseFormat,
+)
+
+STRUCTURED_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
 )
 
 
@@ -127,6 +137,54 @@ def _logprobs_of(req: CompletionRequest | ChatCompletionRequest) -> tuple[int | 
     return (top if req.logprobs or top else None), None
 
 
+def _response_format(rf: ResponseFormat) -> StructuredOutput | None:
+    if rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return StructuredOutput(json_object=True)
+    if rf.json_schema is None:
+        raise SamplingParamsError("type 'json_schema' needs 'json_schema': {'name': ..., 'schema': {...}}")
+    return StructuredOutput(json=rf.json_schema.schema_)
+
+
+def _structured_field(req: CompletionRequest | ChatCompletionRequest, name: str) -> StructuredOutput | None:
+    value = getattr(req, name)
+    if value is None:
+        return None
+    if name == "response_format":
+        return _response_format(value)
+    if name == "structured_outputs":
+        given = {k: v for k, v in value.model_dump(by_alias=True).items() if v not in (None, False)}
+        return StructuredOutput(**given) if given else None
+    key = name.removeprefix("guided_")
+    return StructuredOutput(**{key: tuple(value) if key == "choice" else value})
+
+
+def structured_of(engine: Engine, req: CompletionRequest | ChatCompletionRequest) -> StructuredOutput | None:
+    """The request's output constraint: at most one of STRUCTURED_FIELDS, compiled once here so that a schema,
+    regex or grammar the engine cannot use is a 400 naming its field."""
+    found: list[tuple[str, StructuredOutput]] = []
+    for name in STRUCTURED_FIELDS:
+        try:
+            so = _structured_field(req, name)
+        except SamplingParamsError as e:
+            raise APIError(400, f"{name}: {e}", param=name) from None
+        if so is not None:
+            found.append((name, so))
+    if len(found) > 1:
+        raise APIError(
+            400, f"{found[1][0]} and {found[0][0]} both constrain the output; give one of them", param=found[1][0]
+        )
+    if not found:
+        return None
+    name, so = found[0]
+    try:
+        engine.grammar_matcher(SamplingParams(structured=so))
+    except EngineError as e:
+        raise APIError(400, f"{name}: {e}", param=name) from None
+    return so
+
+
 def sampling_params_of(
     engine: Engine, req: CompletionRequest | ChatCompletionRequest, max_tokens: int
 ) -> SamplingParams:
@@ -151,4 +209,5 @@ def sampling_params_of(
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=bias,
         min_tokens=req.min_tokens or 0,
+        structured=structured_of(engine, req),
     )

@@ -4,8 +4,8 @@ Requests ignore unknown fields (as vLLM does) and use strict types (as vLLM does
 ``"stream": "yes"`` are 400s, not coerced. An integer field takes any integral JSON number (``2.0`` is ``2``, as
 JSON Schema's "integer" says; ``2.5`` is a 400). Text must be valid Unicode (a lone surrogate such as ``"\ud800"`` is a
 400 naming the field). Every field a request may carry is applied or refused: the fields dspark cannot honour
-(``best_of > 1``, ``suffix``, ``response_format`` and the guided / structured-output fields) are declared so that a
-value other than their neutral one is rejected with a clear 400 instead of being silently dropped.
+(``best_of > 1``, ``suffix``) are declared so that a value other than their neutral one is rejected with a clear
+400 instead of being silently dropped; the structured-output models refuse keys they do not know.
 
 The models are the server's contract: ``/openapi.json`` is generated from them, so every rule a request must
 meet that does not depend on the model being served is declared here (ranges, non-empty prompts, the supported
@@ -225,7 +225,38 @@ class KVTransferParams(_Request):
     decode_url: Annotated[Text, Field(pattern=r"^https?://")] | None = None
 
 
-NO_STRUCTURED = "the dspark server has no structured outputs yet; omit it"
+class JsonSchemaFormat(_Request):
+    """``response_format.json_schema`` (OpenAI): the schema the output follows (``strict`` is always honoured)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: Text | None = None
+    description: Text | None = None
+    schema_: Annotated[dict[str, Any], Field(alias="schema")]
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON object) or
+    ``json_schema`` (with ``json_schema``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's ``structured_outputs``: exactly one of ``json`` (a JSON schema), ``json_object``, ``regex``,
+    ``choice`` or ``grammar`` (Lark, or GBNF / EBNF). Other keys are refused by name."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    json_: Annotated[dict[str, Any] | Text | None, Field(alias="json")] = None
+    json_object: bool | None = None
+    regex: Text | None = None
+    choice: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1)] | None = None
+    grammar: Annotated[Text, Field(min_length=1)] | None = None
 
 
 TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,18}$")]  # a logit_bias key: a token id as a decimal string
@@ -255,12 +286,13 @@ class _SamplingFields(_Request):
     frequency_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0, le=MAX_REPETITION_PENALTY)] | None = None
     min_tokens: Annotated[int, Field(ge=0, le=INT64_MAX), Integral] | None = None  # EOS / stop ids held back
-    response_format: Annotated[dict[str, Any] | None, only(None, {"type": "text"}, hint=NO_STRUCTURED)] = None
-    guided_json: Annotated[Any, only(None, hint=NO_STRUCTURED)] = None
-    guided_regex: Annotated[Any, only(None, hint=NO_STRUCTURED)] = None
-    guided_choice: Annotated[Any, only(None, hint=NO_STRUCTURED)] = None
-    guided_grammar: Annotated[Any, only(None, hint=NO_STRUCTURED)] = None
-    structured_outputs: Annotated[Any, only(None, hint=NO_STRUCTURED)] = None
+    # structured outputs (at most one of these; serve/inputs.py): a grammar masks the same distribution
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | Text | None = None  # vLLM's older names of structured_outputs' keys
+    guided_regex: Text | None = None
+    guided_choice: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1)] | None = None
+    guided_grammar: Annotated[Text, Field(min_length=1)] | None = None
     # between dspark instances (the P/D proxy sets it), so not in /openapi.json's public contract
     kv_transfer_params: SkipJsonSchema[KVTransferParams | None] = None
 
