@@ -148,6 +148,16 @@ def test_a_grammar_that_ignores_its_rows_is_caught(pair, monkeypatch):
     assert [o.token_ids for o in got] != [o.token_ids for o in ref]
 
 
+def test_grammar_time_is_measured_and_ignore_eos_runs_past_the_grammar(pair):
+    so = CONSTRAINTS["choice"]
+    outs, eng = run(pair, SPEC, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, structured=so), n=2)
+    for o in outs:  # after the choice only EOS is allowed; ignore_eos goes on emitting it, without an error
+        assert o.finish_reason == "length" and valid("choice", o.text), o
+    assert eng.metrics.decode.grammar_s > 0 and eng.metrics.grammar_s >= eng.metrics.decode.grammar_s
+    _, plain = run(pair, SPEC, SamplingParams(temperature=0, max_tokens=12), n=2)
+    assert plain.metrics.grammar_s == 0
+
+
 def test_bad_constraints_are_refused_by_name(pair):
     eng = Engine(*pair, None, FP32)
     with pytest.raises(EngineError, match="regex"):

@@ -35,7 +35,7 @@ from dspark.profiling import scope
 from dspark.sampling_params import SamplingParams
 from dspark.spec.accept import accept, sample_next
 from dspark.spec.draft_vocab import DraftVocab, read_draft_vocab
-from dspark.spec.grammar import GrammarCompiler, GrammarError, GrammarMatcher
+from dspark.spec.grammar import GrammarCompiler, GrammarError, GrammarMatcher, grammar_masks
 from dspark.spec.guard import SpeculationGuard
 from dspark.spec.logprobs import TokenLogprobs, token_logprobs
 from dspark.spec.processing import process
@@ -384,7 +384,7 @@ class Engine:
 
     # ---- phases ------------------------------------------------------------------------------------------
     def _decode(self, decodes: list[Request]) -> None:
-        t0 = time.perf_counter()
+        t0, g0 = time.perf_counter(), self.metrics.grammar_s
         with scope("step.metadata"):
             sampling = self.runner.sampling_tensors(decodes, self.K + 1)
         allowed = self._may_draft(len(decodes))
@@ -398,7 +398,7 @@ class Engine:
         t2 = time.perf_counter()
         emitted = self._accept_and_commit(decodes, proposal, lengths, logits, sampling)
         t3 = time.perf_counter()
-        self.metrics.decode = self.metrics.decode.plus(t1 - t0, t2 - t1, t3 - t0)
+        self.metrics.decode = self.metrics.decode.plus(t1 - t0, t2 - t1, t3 - t0, self.metrics.grammar_s - g0)
         if guarded:
             self.guard.observe(len(decodes), drafting, emitted, t3 - t0)
 
@@ -520,7 +520,10 @@ class Engine:
         verified = None
         if drafts is not None and lengths is not None:
             verified = [drafts[i, :ell].tolist() for i, ell in enumerate(lengths)]
-        pt = self.runner.processing_tensors(reqs, logits.shape[-1], self.eos_ids, logits.shape[1], verified)
+        t0 = time.perf_counter()
+        allowed = grammar_masks(reqs, logits.shape[1], verified, logits.shape[-1])
+        self.metrics.grammar_s += time.perf_counter() - t0 if allowed is not None else 0.0
+        pt = self.runner.processing_tensors(reqs, logits.shape[-1], self.eos_ids, allowed)
         return logits if pt is None else process(logits, pt, drafts)
 
     @staticmethod

@@ -287,10 +287,10 @@ class ModelRunner:
 
     @staticmethod
     def processing_tensors(
-        reqs: Sequence[Request], vocab: int, eos_ids: set[int], rows: int = 1, drafts: list[list[int]] | None = None
+        reqs: Sequence[Request], vocab: int, eos_ids: set[int], allowed: torch.Tensor | None = None
     ) -> ProcessingTensors | None:
-        """Logits-processing inputs (spec/processing.py) of a round of ``rows`` rows whose verified drafts are
-        ``drafts`` (per request); None when no request processes its logits."""
+        """Logits-processing inputs (spec/processing.py) of a round; ``allowed`` [B, T, V]: the grammar masks
+        (spec/grammar.py). None when no request processes its logits."""
         if not any(r.params.processes_logits for r in reqs):
             return None
         B = len(reqs)
@@ -316,22 +316,8 @@ class ModelRunner:
             bias=bias,
             min_left=torch.tensor([max(0, r.params.min_tokens - len(r.output_ids)) for r in reqs]),
             min_mask=min_mask,
-            allowed=grammar_masks(reqs, rows, drafts, vocab),
+            allowed=allowed,
         )
-
-
-def grammar_masks(
-    reqs: Sequence[Request], rows: int, drafts: list[list[int]] | None, vocab: int
-) -> torch.Tensor | None:
-    """[B, rows, V] bool: what each request's grammar allows at each row of the round (all tokens without one)."""
-    if not any(r.grammar is not None for r in reqs):
-        return None
-    allowed = torch.ones(len(reqs), rows, vocab, dtype=torch.bool)
-    for i, r in enumerate(reqs):
-        if r.grammar is not None:
-            bits = r.grammar.round_masks(r.output_ids, drafts[i] if drafts is not None else [], rows)
-            allowed[i] = r.grammar.unpack(bits)
-    return allowed
 
 
 def _slots(table: torch.Tensor, positions: torch.Tensor, page: int) -> torch.Tensor:

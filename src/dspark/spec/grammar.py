@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -53,7 +54,9 @@ def grammar_text(so: StructuredOutput) -> str:
     if kind in ("json", "json_object"):
         schema = json.loads(so.json) if kind == "json" else {"type": "object"}
         try:
-            return lib.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+            return lib.grammar_from_json_schema(
+                schema, defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+            )
         except ValueError as e:
             raise GrammarError(f"structured output json: not a JSON schema object ({e})") from None
     if kind == "regex":
@@ -106,6 +109,8 @@ class GrammarMatcher:
     def sync(self, output_ids: Sequence[int]) -> None:
         """Consume the tokens committed since the last round."""
         new = list(output_ids[self.consumed :])
+        if new and self.m.is_stopped():  # the grammar ended; with ignore_eos generation went on past it
+            new = []
         if new and not self.m.consume_tokens(new):
             raise GrammarError(f"generated tokens {new} do not match the grammar: {self.m.get_error()}")
         self.consumed = len(output_ids)
@@ -143,3 +148,22 @@ class GrammarMatcher:
 
 def _allowed(row: torch.Tensor, token: int) -> bool:
     return bool((int(row[token // 32]) >> (token % 32)) & 1)
+
+
+class Constrained(Protocol):  # an engine Request, as far as masking goes
+    grammar: GrammarMatcher | None
+    output_ids: list[int]
+
+
+def grammar_masks(
+    reqs: Sequence[Constrained], rows: int, drafts: list[list[int]] | None, vocab: int
+) -> torch.Tensor | None:
+    """[B, rows, V] bool: what each request's grammar allows at each row of the round (all tokens without one)."""
+    if not any(r.grammar is not None for r in reqs):
+        return None
+    allowed = torch.ones(len(reqs), rows, vocab, dtype=torch.bool)
+    for i, r in enumerate(reqs):
+        if r.grammar is not None:
+            bits = r.grammar.round_masks(r.output_ids, drafts[i] if drafts is not None else [], rows)
+            allowed[i] = r.grammar.unpack(bits)
+    return allowed
