@@ -164,6 +164,9 @@ def test_bad_constraints_are_refused_by_name(pair):
         eng.add_request([5, 6], SamplingParams(structured=StructuredOutput(regex="(unclosed")))
     with pytest.raises(EngineError, match="grammar"):
         eng.add_request([5, 6], SamplingParams(structured=StructuredOutput(grammar="root ::= undefined_rule")))
+    small = Engine(*build_tiny_pair(0), None, FP32)  # 96 ids: the byte tokenizer cannot spell '{'
+    with pytest.raises(EngineError, match="spell every byte"):
+        small.add_request([5, 6], SamplingParams(structured=StructuredOutput(json_object=True)))
     with pytest.raises(SamplingParamsError, match="exactly one"):
         StructuredOutput(regex="a", choice=("b",))
     with pytest.raises(SamplingParamsError, match="choice"):

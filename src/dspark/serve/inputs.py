@@ -7,6 +7,7 @@ The functions here are synchronous and may be slow on long text: routes run them
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from jinja2 import TemplateError
@@ -18,6 +19,7 @@ from dspark.serve.errors import APIError
 from dspark.serve.protocol import (
     CHAT_TEMPLATE_ERROR,
     CONTEXT_LENGTH_EXCEEDED,
+    STRUCTURED_OUTPUT_UNSUPPORTED,
     TOKEN_ID_OUT_OF_RANGE,
     TOO_MANY_PROMPTS,
     ChatCompletionRequest,
@@ -42,12 +44,52 @@ def encode_prompt(engine: Engine, text: str, add_special_tokens: bool = True) ->
     return engine.tokenizer.encode(text, add_special_tokens)
 
 
+ROLES = ("system", "user", "assistant", "developer", "tool")
+FOLDED_ROLES = ("system", "developer")  # rendered into the first user turn when the template refuses them
+
+
+@functools.lru_cache(maxsize=16)
+def _template_roles(tokenizer: object) -> frozenset[str]:
+    """The roles the chat template renders (each probed before a user turn); empty without a template."""
+    ok = set()
+    for role in ROLES:
+        try:
+            tokenizer.apply_chat_template([{"role": role, "content": "x"}, {"role": "user", "content": "x"}])
+            ok.add(role)
+        except (ConfigError, TemplateError):
+            pass
+    return frozenset(ok)
+
+
+def chat_roles(engine: Engine) -> list[str]:
+    """The roles a chat request may use on this model: the template's own, plus system and developer by the folding
+    rule; empty when the model has no chat template (every chat is then a CHAT_TEMPLATE_ERROR)."""
+    own = _template_roles(engine.tokenizer)
+    return [r for r in ROLES if r in own or (own and r in FOLDED_ROLES)]
+
+
+def _fold_system(turns: list[dict[str, str]], own: frozenset[str]) -> list[dict[str, str]]:
+    """System / developer messages the template refuses, joined by blank lines, before the first user message's
+    content (a user message of their own when there is none)."""
+    folded = [t["content"] for t in turns if t["role"] in FOLDED_ROLES and t["role"] not in own]
+    if not folded or not own:
+        return turns
+    rest = [t for t in turns if not (t["role"] in FOLDED_ROLES and t["role"] not in own)]
+    first = next((i for i, t in enumerate(rest) if t["role"] == "user"), None)
+    if first is None:
+        return [{"role": "user", "content": "\n\n".join(folded)}, *rest]
+    rest[first] = {"role": "user", "content": "\n\n".join([*folded, rest[first]["content"]])}
+    return rest
+
+
 def render_chat(engine: Engine, messages: Sequence[ChatMessage]) -> str:
-    """The chat prompt text (the request models allow only 'text' content parts)."""
+    """The chat prompt text (the request models allow only 'text' content parts); system / developer messages the
+    template refuses are folded into the first user turn."""
     turns = []
     for m in messages:
         content = "".join(p.text or "" for p in m.content) if isinstance(m.content, list) else m.content or ""
         turns.append({"role": m.role, "content": content})
+    turns = _fold_system(turns, _template_roles(engine.tokenizer))
     try:
         return engine.tokenizer.apply_chat_template(turns)
     except (ConfigError, TemplateError) as e:  # no chat template, or the template refuses these messages
@@ -168,12 +210,15 @@ def structured_of(engine: Engine, req: CompletionRequest | ChatCompletionRequest
         try:
             so = _structured_field(req, name)
         except SamplingParamsError as e:
-            raise APIError(400, f"{name}: {e}", param=name) from None
+            raise APIError(400, f"{name}: {e}", param=name, code=STRUCTURED_OUTPUT_UNSUPPORTED) from None
         if so is not None:
             found.append((name, so))
     if len(found) > 1:
         raise APIError(
-            400, f"{found[1][0]} and {found[0][0]} both constrain the output; give one of them", param=found[1][0]
+            400,
+            f"{found[1][0]} and {found[0][0]} both constrain the output; give one of them",
+            param=found[1][0],
+            code=STRUCTURED_OUTPUT_UNSUPPORTED,
         )
     if not found:
         return None
@@ -181,7 +226,7 @@ def structured_of(engine: Engine, req: CompletionRequest | ChatCompletionRequest
     try:
         engine.grammar_matcher(SamplingParams(structured=so))
     except EngineError as e:
-        raise APIError(400, f"{name}: {e}", param=name) from None
+        raise APIError(400, f"{name}: {e}", param=name, code=STRUCTURED_OUTPUT_UNSUPPORTED) from None
     return so
 
 

@@ -47,9 +47,22 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # prompt + max_tokens over 
 TOKEN_ID_OUT_OF_RANGE = "token_id_out_of_range"  # a token id not in the model's vocabulary
 TOO_MANY_PROMPTS = "too_many_prompts"  # more prompts in one request than --max-prompts-per-request
 CHAT_TEMPLATE_ERROR = "chat_template_error"  # the model has no chat template or its template refuses the chat
+# the grammar engine cannot compile the schema / regex / grammar, or two fields constrain the output
+STRUCTURED_OUTPUT_UNSUPPORTED = "structured_output_unsupported"
 DEPLOYMENT_LIMIT_CODES = frozenset(
-    {CONTEXT_LENGTH_EXCEEDED, TOKEN_ID_OUT_OF_RANGE, TOO_MANY_PROMPTS, CHAT_TEMPLATE_ERROR}
+    {
+        CONTEXT_LENGTH_EXCEEDED,
+        TOKEN_ID_OUT_OF_RANGE,
+        TOO_MANY_PROMPTS,
+        CHAT_TEMPLATE_ERROR,
+        STRUCTURED_OUTPUT_UNSUPPORTED,
+    }
 )
+# markers in the generated JSON Schema that serve/openapi.py replaces with the served model's limits
+TOKEN_ID_MARK = "x-dspark-token-id"  # an integer token id: maximum vocab - 1
+PROMPT_IDS_MARK = "x-dspark-prompt-ids"  # a prompt as token ids: maxItems max_model_len - 1
+MAX_TOKENS_MARK = "x-dspark-max-tokens"  # generated tokens: maximum max_model_len - 1
+ROLE_MARK = "x-dspark-role"  # a chat message's role: the roles the chat template renders
 
 
 def random_id(prefix: str) -> str:
@@ -121,14 +134,16 @@ def _declare_non_empty_ids(schema: dict[str, Any]) -> None:
             s["minLength"] = 1
         elif kind == "array":
             s["minItems"] = 1
+            if s.get("items", {}).get("type") == "integer":
+                s[PROMPT_IDS_MARK] = True
         elif kind == "integer":
-            s["minimum"] = 0
+            s["minimum"], s[TOKEN_ID_MARK] = 0, True
 
 
 def _declare_ids(schema: dict[str, Any]) -> None:
     for s in subschemas(schema):
         if s.get("type") == "integer":
-            s["minimum"] = 0
+            s["minimum"], s[TOKEN_ID_MARK] = 0, True
 
 
 def _negative_id(ids: list[Any]) -> str | None:
@@ -197,7 +212,8 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]
 Integral = BeforeValidator(_integral)
 Int = Annotated[int, Integral]
 TokenIds = Annotated[list[Int], Rule(lambda ids, _: _negative_id(ids), _declare_ids)]
-MaxTokens = Annotated[int, Field(ge=1), Integral]  # the upper bound is the model's context (CONTEXT_LENGTH_EXCEEDED)
+# the upper bound is the served model's context (MAX_TOKENS_MARK; with the prompt: CONTEXT_LENGTH_EXCEEDED)
+MaxTokens = Annotated[int, Field(ge=1, json_schema_extra={MAX_TOKENS_MARK: True}), Integral]
 
 
 class _Request(BaseModel):
@@ -254,7 +270,7 @@ class StructuredOutputs(_Request):
 
     json_: Annotated[dict[str, Any] | Text | None, Field(alias="json")] = None
     json_object: bool | None = None
-    regex: Text | None = None
+    regex: Annotated[Text, Field(min_length=1)] | None = None
     choice: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1)] | None = None
     grammar: Annotated[Text, Field(min_length=1)] | None = None
 
@@ -290,7 +306,7 @@ class _SamplingFields(_Request):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | Text | None = None  # vLLM's older names of structured_outputs' keys
-    guided_regex: Text | None = None
+    guided_regex: Annotated[Text, Field(min_length=1)] | None = None
     guided_choice: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1)] | None = None
     guided_grammar: Annotated[Text, Field(min_length=1)] | None = None
     # between dspark instances (the P/D proxy sets it), so not in /openapi.json's public contract
@@ -305,7 +321,9 @@ class CompletionRequest(_SamplingFields):
 
     prompt: Annotated[CompletionPrompt, Rule(_prompt_problem, _declare_non_empty_ids)]
     # 0: no generated token (with echo and logprobs: the prompt's log-likelihoods from one prefill)
-    max_tokens: Annotated[int, Field(ge=0), Integral] | None = COMPLETIONS_DEFAULT_MAX_TOKENS
+    max_tokens: Annotated[int, Field(ge=0, json_schema_extra={MAX_TOKENS_MARK: True}), Integral] | None = (
+        COMPLETIONS_DEFAULT_MAX_TOKENS
+    )
     logprobs: TopLogprobs | None = None  # per token: its logprob and the top-k alternatives'
     echo: bool = False  # the prompt before the completion (and its tokens' logprobs, the first null)
     best_of: Annotated[Int | None, only(None, 1, hint="only 1")] = None
@@ -318,7 +336,11 @@ class TextPart(_Request):
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    # /openapi.json lists the roles the served model's chat template renders (serve/openapi.py); system and developer
+    # messages a template refuses are folded into the first user turn (serve/inputs.py: render_chat)
+    role: Annotated[
+        Literal["system", "user", "assistant", "developer", "tool"], Field(json_schema_extra={ROLE_MARK: True})
+    ]
     content: Annotated[Text | list[TextPart] | None, Rule(_text_parts_only, _declare_text_parts)] = None
     name: Text | None = None
 

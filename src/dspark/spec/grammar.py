@@ -41,10 +41,11 @@ class _ByteVocab:
         self.eos_token_id, self.bos_token_id = eos, tokenizer.bos_token_id
         self.tokens = [f"<|{i}|>".encode() if i < off else bytes([(i - off) % 256]) for i in range(vocab_size)]
         self.special_token_ids = list(range(off))
-        self._encode = tokenizer.encode
+        self._offset = off
 
-    def __call__(self, text: str) -> list[int]:
-        return self._encode(text, add_special_tokens=False)
+    def __call__(self, text: str | bytes) -> list[int]:
+        data = text.encode() if isinstance(text, str) else text
+        return [self._offset + b for b in data]
 
 
 def grammar_text(so: StructuredOutput) -> str:
@@ -83,6 +84,11 @@ class GrammarCompiler:
         if hasattr(tokenizer, "backend"):  # HFTokenizer: tokenizer.json as the tokenizers library writes it
             self.tok = lib.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=eos or None)
         else:
+            if tokenizer.offset + 256 > vocab_size:  # the byte tokenizer wraps bytes onto other bytes' ids
+                raise GrammarError(
+                    f"structured outputs need a vocabulary that can spell every byte; this random test model's "
+                    f"byte vocabulary has {vocab_size} ids (at least {tokenizer.offset + 256} needed)"
+                )
             wrapped = lib.TokenizerWrapper(_ByteVocab(tokenizer, vocab_size, eos[0] if eos else 0))
             self.tok = lib.LLTokenizer(wrapped, n_vocab=vocab_size, eos_token=eos or None)
         self.vocab_size = vocab_size
@@ -93,7 +99,9 @@ class GrammarCompiler:
         m = lib.LLMatcher(self.tok, grammar_text(so), log_level=0)
         if m.is_error():
             raise GrammarError(f"structured output {so.kind}: {m.get_error()}")
-        return GrammarMatcher(m, self.vocab_size, self.eos_ids)
+        matcher = GrammarMatcher(m, self.vocab_size, self.eos_ids)
+        matcher.round_masks([], [], 1)  # raises when no token of the vocabulary can start the output
+        return matcher
 
 
 class GrammarMatcher:
@@ -124,6 +132,14 @@ class GrammarMatcher:
         self.sync(output_ids)
         bits = torch.zeros(rows, self.words, dtype=torch.int32)
         self._fill(bits[0])
+        stuck = not self.m.is_accepting() and not self.m.is_stopped() and not self._continues(bits[0])
+        if stuck or self.m.is_error():  # llguidance: an error state ("NoExtensionBias") when no token fits
+            why = self.m.get_error().split("\n", 1)[0]
+            raise GrammarError(
+                f"structured output: no token of this model's vocabulary continues the output here (after "
+                f"{self.consumed} tokens{': ' + why if why else ''}); the grammar asks for text the tokenizer "
+                "cannot produce"
+            )
         taken = 0
         for j in range(1, rows):
             d = drafts[j - 1] if j - 1 < len(drafts) else -1
@@ -135,6 +151,14 @@ class GrammarMatcher:
         if taken:
             self.m.rollback(taken)
         return bits
+
+    def _continues(self, row: torch.Tensor) -> bool:
+        """Whether the packed mask allows a token other than EOS (which ends an unfinished output)."""
+        other = row.clone()
+        for e in self.eos_ids:
+            if e < self.vocab_size:
+                other[e // 32] &= ~(1 << (e % 32))
+        return bool(other.any())
 
     def unpack(self, bits: torch.Tensor) -> torch.Tensor:
         """Packed masks [..., words] int32 -> allowed [..., V] bool; a row allowing nothing (a grammar that has
