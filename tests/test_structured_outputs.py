@@ -134,6 +134,53 @@ def test_constrained_greedy_speculative_equals_plain(pair, kind):
             assert m.num_accepted_tokens <= m.num_drafts  # at most d_1 of each block: d_2 breaks the grammar
 
 
+SETS = ("ab", "bc", "ca")  # the regex [ab][bc][ca]: what each position allows depends on the position
+
+
+def _uniform_proposer(ids: list[int]):
+    """Drafts drawn uniformly from ``ids`` (q uniform there): most are allowed at some position, not all at every."""
+    g = torch.Generator().manual_seed(0)
+
+    def propose(reqs, sampling, probabilistic, use_markov, topk):
+        B, V = len(reqs), 260
+        q = torch.zeros(B, K, V)
+        q[:, :, ids] = 1.0 / len(ids)
+        tokens = torch.tensor(ids)[torch.randint(len(ids), (B, K), generator=g)]
+        return Proposal(tokens, torch.full((B,), K, dtype=torch.long), q, None)
+
+    return propose
+
+
+@pytest.mark.parametrize("rule", ["standard", "block"])
+def test_constrained_sampling_matches_the_masked_target_distribution(pair, rule):
+    """T=1: three tokens under [ab][bc][ca], drafts verified in blocks, are distributed as sequential sampling
+    from the target restricted to each position's allowed bytes (chi-square over the 8 cells)."""
+    from test_engine import _chi_square
+
+    target = pair[0]
+    tok = {ch: 4 + ord(ch) for ch in "abc"}  # the byte tokenizer: id = 4 + byte
+    prompt = [0, 40, 41]
+    exact = torch.zeros(2, 2, 2)
+    with torch.no_grad():
+        for i, x in enumerate(SETS[0]):
+            for j, y in enumerate(SETS[1]):
+                rows = target(torch.tensor([prompt + [tok[x], tok[y]]])).logits[0, -3:].float()
+                ps = [rows[r, [tok[ch] for ch in SETS[r]]].softmax(-1) for r in range(3)]
+                exact[i, j] = ps[0][i] * ps[1][j] * ps[2]
+    n = 1500
+    spec = SpeculativeConfig(method="dspark", num_speculative_tokens=K, rejection_sample_method=rule)
+    eng = Engine(*pair, spec, EngineConfig(dtype="float32", max_num_seqs=64))
+    eng.runner.propose_draft = _uniform_proposer(list(tok.values()))
+    so = StructuredOutput(regex="[ab][bc][ca]")
+    params = [SamplingParams(temperature=1.0, max_tokens=3, seed=s, ignore_eos=True, structured=so) for s in range(n)]
+    counts = torch.zeros(2, 2, 2)
+    for o in LLM.from_engine(eng).generate([prompt] * n, params):
+        counts[tuple(SETS[r].index(ch) for r, ch in enumerate(o.text))] += 1
+    stat, dof = _chi_square(counts.flatten(), (exact * n).flatten())
+    assert eng.metrics.spec.accepted_per_pos[1] > 0  # second drafts accepted: row 1's mask came after d_1
+    assert stat < dof + 4 * (2 * dof) ** 0.5, (stat, dof)  # ~4 sigma
+
+
 def test_a_grammar_that_ignores_its_rows_is_caught(pair, monkeypatch):
     """The equality above has power: masking every row with the grammar state before the round breaks it."""
     import dspark.spec.grammar as grammar
