@@ -12,7 +12,7 @@ from dspark.cli import main
 from dspark.config import CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
 from dspark.engine import engine as engine_mod
 from dspark.engine.engine import AdaptivePolicy, Engine, load_adaptive
-from dspark.llm import LLM, build_engines
+from dspark.llm import LLM, build_engines, engine_configs
 from dspark.models.tiny import build_tiny_pair, tiny_draft_config, tiny_target_config, write_tiny_pair
 from dspark.sampling_params import SamplingParams
 from dspark.spec.schedule import SpsTable, default_cost_model, save_sts
@@ -129,7 +129,7 @@ def test_greedy_adaptive_equals_target_only(tmp_path, seed):
     spec["draft_sample_method"] = ["probabilistic", "greedy", "probabilistic"][seed]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # both files are found: no fallback warning
-        adaptive, plain = build_engines(target_dir, [spec, None], dtype="float32", max_num_seqs=8)
+        adaptive, plain = build_engines(target_dir, [spec, None], *engine_configs(dtype="float32", max_num_seqs=8))
     assert adaptive.adaptive is not None and adaptive.adaptive.temperatures == [0.4] * k
     verify_calls = []
     inner = adaptive._verify
@@ -219,7 +219,8 @@ def test_build_engine_without_files_warns_once_and_still_decodes(tmp_path):
     spec = {"method": "dspark", "model": str(draft_dir), "num_speculative_tokens": 3}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        (eng,) = build_engines(target_dir, [{**spec, "enable_adaptive_verification": True}], dtype="float32")
+        specs = [{**spec, "enable_adaptive_verification": True}]
+        (eng,) = build_engines(target_dir, specs, *engine_configs(dtype="float32"))
         out = LLM.from_engine(eng).generate([[0, 4, 5]], SamplingParams(temperature=0, max_tokens=8))
     assert len([w for w in caught if "adaptive verification" in str(w.message)]) == 1
     assert len(out[0].token_ids) == 8 and eng.metrics.spec.num_drafts > 0

@@ -135,7 +135,7 @@ def _backends(module: torch.nn.Module) -> set[str]:
 def test_engine_attention_backend_selects_the_targets_kernel_and_is_the_drafts_default(tmp_path):
     """vLLM's engine-wide --attention-backend: the target's layers, and the draft's unless the speculative
     config names its own (as in vLLM)."""
-    from dspark.llm import build_engines
+    from dspark.llm import build_engines, engine_configs
     from dspark.models.tiny import write_tiny_pair
 
     target_dir, draft_dir = write_tiny_pair(tmp_path / "pair")
@@ -143,16 +143,18 @@ def test_engine_attention_backend_selects_the_targets_kernel_and_is_the_drafts_d
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         inherit, own = build_engines(
-            target_dir, [spec, {**spec, "attention_backend": "torch"}], dtype="float32", attention_backend="FLASHMLA"
+            target_dir,
+            [spec, {**spec, "attention_backend": "torch"}],
+            *engine_configs(dtype="float32", attention_backend="FLASHMLA"),
         )
     assert [issubclass(w.category, BackendSubstitutionWarning) for w in caught] == [True]  # said once
     assert "engine config" in str(caught[0].message) and "FLASHMLA" in str(caught[0].message)
     assert _backends(inherit.target) == {"sdpa"} and _backends(inherit.drafter) == {"sdpa"}
     assert _backends(own.drafter) == {"torch"}
-    (default,) = build_engines(target_dir, [spec], dtype="float32")
+    (default,) = build_engines(target_dir, [spec], *engine_configs(dtype="float32"))
     assert _backends(default.target) == {"torch"} and _backends(default.drafter) == {"torch"}
     with pytest.raises(ConfigError, match="unknown attention backend"):
-        build_engines(target_dir, [None], dtype="float32", attention_backend="NOPE")
+        build_engines(target_dir, [None], *engine_configs(dtype="float32", attention_backend="NOPE"))
 
 
 def test_hf_target_backend_goes_through_transformers_attn_implementation():

@@ -168,7 +168,7 @@ def test_generate_defaults_to_dspark_for_a_target_with_shipped_drafters(tmp_path
     (tmp_path / "shipped").mkdir()
     (tmp_path / "plain").mkdir()
     args = argparse.Namespace(no_spec=False, speculative_config=None, model=str(tmp_path / "shipped"))
-    assert json.loads(default_spec(args, None))["method"] == "dspark"
+    assert default_spec(args, None)["method"] == "dspark"
     assert (
         default_spec(argparse.Namespace(no_spec=False, speculative_config=None, model=str(tmp_path / "plain")), None)
         is None

@@ -141,13 +141,19 @@ def test_kimi_linear_defaults_are_the_fields():
 
 
 def test_build_engines_reads_its_defaults_from_the_engine_and_cache_configs():
-    from dspark.llm import build_engines
+    """build_engines takes the two config objects (their defaults are the only ones); the flat vLLM-style keywords
+    of LLM / build_engine fill exactly those configs' fields."""
+    from dspark.llm import build_engines, engine_configs
 
     fields = declared_defaults(EngineConfig) | declared_defaults(CacheConfig)
     params = inspect.signature(build_engines).parameters
-    shared = [name for name in params if name in fields]
-    assert len(shared) >= 10
-    assert {name: params[name].default for name in shared} == {name: fields[name] for name in shared}
+    assert len(params) <= 6 and not [name for name in params if name in fields]
+    assert engine_configs() == (EngineConfig(), CacheConfig())
+    assert len(fields) >= 10
+    engine, cache = engine_configs(**fields)
+    assert (engine, cache) == (EngineConfig(), CacheConfig())
+    with pytest.raises(TypeError, match="max_num_sequences"):
+        engine_configs(max_num_sequences=4)
 
 
 def test_the_doctor_suggests_the_default_number_of_speculative_tokens():

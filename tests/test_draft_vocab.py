@@ -88,7 +88,7 @@ def test_a_quantized_lm_head_keeps_its_draft_rows_quantized():
 
 
 def test_engines_sharing_one_loaded_drafter_keep_their_own_draft_vocab(tmp_path):
-    from dspark.llm import build_engines
+    from dspark.llm import build_engines, engine_configs
 
     target_dir, draft_dir = write_tiny_pair(tmp_path / "pair", 0)
     (draft_dir / DRAFT_VOCAB_FILE).write_text(json.dumps({"token_ids": list(range(40, 0, -1)), "default_size": 24}))
@@ -97,7 +97,7 @@ def test_engines_sharing_one_loaded_drafter_keep_their_own_draft_vocab(tmp_path)
         {"method": "dspark", "model": str(draft_dir), "draft_vocab_size": 0},
         {"method": "dspark", "model": str(draft_dir), "draft_vocab_size": 8},
     ]
-    engines = build_engines(target_dir, specs, dtype="float32")
+    engines = build_engines(target_dir, specs, *engine_configs(dtype="float32"))
     assert engines[0].drafter is engines[1].drafter is engines[2].drafter  # one loaded drafter
     sizes = [None if e.runner.draft_vocab is None else e.runner.draft_vocab.size for e in engines]
     assert sizes == [24, None, 8]

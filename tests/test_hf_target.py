@@ -6,7 +6,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dspark.config import DraftConfig, EngineConfig, SpeculativeConfig
 from dspark.engine.engine import Engine
-from dspark.llm import LLM, build_engines
+from dspark.llm import LLM, build_engines, engine_configs
 from dspark.models.drafter import DSparkDrafter
 from dspark.models.hf_target import HFTarget
 from dspark.models.loading import load_drafter, save_drafter
@@ -100,7 +100,7 @@ def test_hf_target_speculative_greedy_equals_target_only(tmp_path, method):
     pages, recompute) under the same engine: speculative greedy == target-only greedy == transformers generate."""
     target_dir, draft_dir = tiny_qwen3(tmp_path)
     spec = {"method": method, "model": str(draft_dir), "num_speculative_tokens": 4}
-    spec_eng, ar_eng = build_engines(target_dir, [spec, None], dtype="float32", max_num_seqs=4)
+    spec_eng, ar_eng = build_engines(target_dir, [spec, None], *engine_configs(dtype="float32", max_num_seqs=4))
     assert spec_eng.cache_report()["target_page_kind"] == "gqa"
     fallback = HFTarget.load(target_dir)
     drafter = spec_eng.drafter and load_drafter(draft_dir, fallback)

@@ -177,7 +177,7 @@ def test_greedy_adaptive_verification_equals_target_only(tmp_path):
     """Confidence-scheduled verify lengths (Algorithm 1) vary per request and round: each commits its own prefix."""
     import warnings
 
-    from dspark.llm import build_engines
+    from dspark.llm import build_engines, engine_configs
     from dspark.models.tiny import write_tiny_hybrid_pair
     from dspark.spec.schedule import default_cost_model, save_sts
 
@@ -190,7 +190,7 @@ def test_greedy_adaptive_verification_equals_target_only(tmp_path):
     spec |= {"enable_adaptive_verification": True, "draft_sample_method": "probabilistic"}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        adaptive, plain = build_engines(target_dir, [spec, None], dtype="float32", max_num_seqs=8)
+        adaptive, plain = build_engines(target_dir, [spec, None], *engine_configs(dtype="float32", max_num_seqs=8))
     prompts = prompts_for(2, 5)
     params = [SamplingParams(temperature=0, max_tokens=8 + 3 * i, ignore_eos=True) for i in range(5)]
     ref = [o.token_ids for o in LLM.from_engine(plain).generate(prompts, params)]
@@ -210,10 +210,10 @@ def test_a_request_failing_mid_step_leaves_the_others_states_exact(spec_on):
     eng = Engine(target, drafter, spec, FP32)
     real = eng._append
 
-    def faulty(req, tokens):
+    def faulty(req, tokens, *rest):
         if req.prompt_ids == prompts[0] and len(req.output_ids) >= 2:  # the first request of every batch
             raise RuntimeError("injected fault")
-        return real(req, tokens)
+        return real(req, tokens, *rest)
 
     eng._append = faulty
     outs = LLM.from_engine(eng).generate(prompts, params)

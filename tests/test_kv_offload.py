@@ -3,6 +3,7 @@ that cannot write), and the engine: greedy output unchanged on MLA, GQA and hybr
 speculation when cached blocks are evicted to the CPU tier, the disk tier or both and loaded back; corrupt and
 truncated blocks dropped and recomputed; flags, counters and the report."""
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -346,14 +347,17 @@ def test_the_flags_reach_the_engine_from_llm_and_every_cli(tmp_path, monkeypatch
 
     seen = []
 
-    def capture(*args, **kwargs):
-        seen.append({k: v for k, v in kwargs.items() if k.startswith("kv_offload")})
+    def capture(*args, **kwargs):  # flat keywords (build_engine) or a CacheConfig (build_engines)
+        cache = next((a for a in (*args, *kwargs.values()) if isinstance(a, CacheConfig)), None)
+        given = {**(dataclasses.asdict(cache) if cache is not None else {}), **kwargs}
+        seen.append({k: v for k, v in given.items() if k.startswith("kv_offload")})
         raise SystemExit(0)
 
     monkeypatch.setattr(dspark.llm, "build_engines", capture)
     monkeypatch.setattr(dspark.llm, "build_engine", capture)
     parser = build_parser()
-    flags = ["--kv-offload-cpu-gib", "0.5", "--kv-offload-dir", "/kv", "--kv-offload-disk-gib", "2"]
+    offload = ["--kv-offload-cpu-gib", "0.5", "--kv-offload-dir", "/kv", "--kv-offload-disk-gib", "2"]
+    flags = [*offload, "--enable-prefix-caching"]  # offload keeps what the prefix cache evicts: the config asks both
     want = {"kv_offload_cpu_bytes": 1 << 29, "kv_offload_dir": "/kv", "kv_offload_disk_bytes": 1 << 31}
     default = dict(kv_offload_cpu_bytes=0, kv_offload_dir=None, kv_offload_disk_bytes=CacheConfig.kv_offload_disk_bytes)
     model = ["--model", str(target_dir)]

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from dspark.cli import main
 from dspark.doctor import LOAD_CHECKS, run_checks
 from dspark.doctor.gate import LoadRefused
-from dspark.llm import LLM, build_engines
+from dspark.llm import LLM, build_engines, engine_configs
 from dspark.models.tiny import write_tiny_pair
 from dspark.sampling_params import SamplingParams
 from test_doctor import relabel, to_bf16, write_tokenizer
@@ -59,7 +59,7 @@ def poke(d: Path, name: str, value: float) -> None:
 
 def refused(target: Path, cfg: dict[str, object] | None) -> str:
     with pytest.raises(LoadRefused) as e:
-        build_engines(target, [cfg], dtype="float32")
+        build_engines(target, [cfg], *engine_configs(dtype="float32"))
     return str(e.value)
 
 
@@ -105,7 +105,7 @@ def test_target_without_tokenizer_is_refused_unless_marked_random(pair):
     msg = refused(target, None)  # also without speculation
     assert "[tokenizer]" in msg and f"no tokenizer.json in the target directory {target}" in msg
     edit_config(target, dspark_random_weights=True)
-    (engine,) = build_engines(target, [None], dtype="float32")  # random test weights: bytes stand in
+    (engine,) = build_engines(target, [None], *engine_configs(dtype="float32"))  # random test weights: bytes stand in
     assert engine.tokenizer is not None
 
 
@@ -140,7 +140,7 @@ def test_finite_scan_is_one_pass_over_loaded_weights(pair, monkeypatch: pytest.M
     calls = []
     real = torch.isfinite
     monkeypatch.setattr(torch, "isfinite", lambda t: calls.append(t.numel()) or real(t))
-    build_engines(target, [spec(draft)], dtype="float32")
+    build_engines(target, [spec(draft)], *engine_configs(dtype="float32"))
     assert calls  # one isfinite per loaded tensor
 
 

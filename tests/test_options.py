@@ -8,7 +8,7 @@ import torch
 
 from dspark.cli import build_parser, main
 from dspark.config import DTYPE_CHOICES, DTYPES, CacheConfig, ConfigError, EngineConfig
-from dspark.llm import LLM, build_engines
+from dspark.llm import LLM, build_engines, engine_configs
 from dspark.models.tiny import write_tiny_pair
 from dspark.sampling_params import SamplingParams
 
@@ -44,7 +44,7 @@ def test_every_command_accepts_every_engine_dtype(command):
 def test_float16_runs_end_to_end(tmp_path, capsys):
     target_dir, draft_dir = write_tiny_pair(tmp_path)
     spec = {"method": "dspark", "model": str(draft_dir), "num_speculative_tokens": 4}
-    spec_eng, ar_eng = build_engines(target_dir, [spec, None], dtype="float16")
+    spec_eng, ar_eng = build_engines(target_dir, [spec, None], *engine_configs(dtype="float16"))
     assert next(spec_eng.target.parameters()).dtype == spec_eng.pool.dtype == torch.float16
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = [[0, 5, 6, 7], [0, 9, 10, 11, 12]]

@@ -77,7 +77,7 @@ def test_cli_has_no_placeholder_subcommands():
 
     assert not hasattr(cli, "PLANNED") and not hasattr(cli, "_not_yet")
     sub = next(a for a in cli.build_parser()._actions if a.dest == "command")
-    for name in cli.MODULES:
+    for name in cli.SUBCOMMANDS:
         assert name in sub.choices
     for name, parser in sub.choices.items():
         func = parser.get_default("func")

@@ -15,9 +15,10 @@ import torch
 from dspark import native, precision
 from dspark.cli import build_parser, main
 from dspark.config import DTYPE_CHOICES, QUANTIZATIONS, ConfigError, EngineConfig
-from dspark.llm import build_engines
+from dspark.llm import build_engines, engine_configs
+from dspark.models.loading import resolve_precision
 from dspark.models.tiny import write_tiny_pair
-from dspark.precision import choose_dtype, native_bf16, resolve_precision
+from dspark.precision import choose_dtype, native_bf16
 
 AVX512_BF16 = {"fpu", "avx2", "avx512f", "avx512_bf16"}
 SAPPHIRE_RAPIDS = {"avx2", "avx512f", "amx_tile", "amx_bf16", "amx_int8"}
@@ -119,7 +120,7 @@ def test_build_engines_resolves_auto_for_a_dense_model(tmp_path: Path):
     assert p.cpu_capability == torch.backends.cpu.get_cpu_capability()
     assert f"dtype {p.dtype} (auto: " in p.describe() and f"CPU capability {p.cpu_capability}" in p.describe()
     with pytest.raises(ConfigError, match="not the export of a .gguf file"):
-        build_engines(target_dir, [None], quantization="gguf")
+        build_engines(target_dir, [None], *engine_configs(quantization="gguf"))
     assert resolve_precision(target_dir, "float16", "none").dtype_why == "as asked"
 
 

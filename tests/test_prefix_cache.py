@@ -392,8 +392,9 @@ def test_the_flag_reaches_the_engine_from_llm_and_every_cli(tmp_path, monkeypatc
 
     seen = []
 
-    def capture(*args, **kwargs):
-        seen.append(kwargs.get("enable_prefix_caching", getattr(args[0], "enable_prefix_caching", None)))
+    def capture(*args, **kwargs):  # flat keywords (build_engine), a CacheConfig (build_engines) or the bench config
+        holder = next((a for a in (*args, *kwargs.values()) if isinstance(a, CacheConfig)), args[0])
+        seen.append(kwargs.get("enable_prefix_caching", getattr(holder, "enable_prefix_caching", None)))
         raise SystemExit(0)
 
     monkeypatch.setattr(dspark.llm, "build_engines", capture)

@@ -12,17 +12,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dspark.cli_common import (
-    TINY_TARGET_DIR,
     add_kv_offload_args,
+    add_max_tokens_arg,
+    add_model_arg,
     add_precision_args,
     add_prefix_caching_arg,
+    add_seed_arg,
+    add_speculative_config_arg,
     add_threads_arg,
     apply_threads,
     default_spec,
-    json_object,
     kv_offload_kwargs,
     model_or_demo,
-    tiny_data,
 )
 from dspark.config import ConfigError
 
@@ -150,7 +151,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 def _serving_precision(target: Path | None):
     """The dtype and quantization generate/serve would choose by default for this target on this machine (a dense
     target's without one); None when the target's config cannot be read (a check reports that)."""
-    from dspark.precision import Precision, choose_dtype, cpu_capability, resolve_precision
+    from dspark.models.loading import resolve_precision
+    from dspark.precision import Precision, choose_dtype, cpu_capability
 
     if target is None:
         dtype, why = choose_dtype("auto", "none")
@@ -183,126 +185,6 @@ def add_check(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help='print {"ok": bool, "problems": [{"check", "message", "fix"}]}')
     p.set_defaults(func=cmd_check)
-
-
-# ---- train-target ---------------------------------------------------------------------------------------
-
-
-def cmd_train_target(args: argparse.Namespace) -> int:
-    import os
-
-    # OpenMP threads that sleep instead of spinning: on a shared 2-core machine spinning threads stall
-    # each other (set before torch is imported to take effect)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from dataclasses import replace
-
-    from dspark.train.pretrain import train_target
-    from dspark.train.pretrain_config import PretrainConfig, kimi_k3_mini_config, tiny_pretrain_config
-
-    default = kimi_k3_mini_config() if args.kimi_k3_mini else PretrainConfig()
-    data_dir, out_dir = args.data_dir or default.data_dir, args.out_dir or default.out_dir
-    if args.tiny:
-        data_dir = args.data_dir or tiny_data()
-        out_dir = args.out_dir or ("runs/tiny-kimi-target" if args.kimi_k3_mini else TINY_TARGET_DIR)
-        arch = {"architecture": default.architecture} if args.kimi_k3_mini else {}
-        cfg = tiny_pretrain_config(data_dir, out_dir, **arch)
-    else:
-        _require_pretrain_data(data_dir)
-        cfg = replace(default, data_dir=data_dir, out_dir=out_dir)
-    overrides = {
-        k: getattr(args, k)
-        for k in ("max_minutes", "max_steps", "seq_len", "batch_size", "lr", "warmup_steps", "seed")
-        + ("eval_interval", "ckpt_interval", "num_threads", "init_from", "yarn_factor")
-        + ("original_max_position_embeddings", "eval_seq_len", "eval_max_windows")
-        if getattr(args, k) is not None
-    }
-    if args.no_time_limit:
-        overrides["max_minutes"] = None
-    if args.tiny and "max_minutes" in overrides and "max_steps" not in overrides:
-        overrides["max_steps"] = None
-    cfg = replace(cfg, **overrides, progress=not args.quiet)
-    try:
-        result = train_target(cfg, resume=args.resume)
-    except FileExistsError as e:
-        print(f"dspark train-target: error: {e}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps({k: v for k, v in vars(result).items() if k != "losses"}))
-    return 0
-
-
-PRETRAIN_DATA_FILES = ("train.npy", "validation.npy")  # what dspark.train.tokenizer writes and train-target reads
-
-
-def _require_pretrain_data(data_dir: str) -> None:
-    """Refuse, before anything loads, a data dir the tokenizer step has not written (a fresh clone has no runs/),
-    naming the two commands that build it and the seconds-long --tiny run that needs none."""
-    missing = [f for f in PRETRAIN_DATA_FILES if not (Path(data_dir) / f).is_file()]
-    if not missing:
-        return
-    corpus = "runs/data/corpus"
-    raise ConfigError(
-        f"{data_dir} has no {' / '.join(missing)} (the tokenized corpus); build it with "
-        f"`python -m dspark.train.corpus {corpus}` then `python -m dspark.train.tokenizer {corpus} {data_dir} "
-        "--vocab-size 8192` (docs/training.md, steps 1-2), pass --data-dir DIR, or try `dspark train-target --tiny`, "
-        "a seconds-long run that builds its own small data"
-    )
-
-
-def add_train_target(sub: argparse._SubParsersAction) -> None:
-    # defaults live in dspark.train.pretrain_config.PretrainConfig (imported only when the command runs)
-    p = sub.add_parser(
-        "train-target",
-        help="pretrain the small K3-style MLA target (DeepSeek-V3 format) on the tokenized corpus",
-        description="Checkpoints to OUT_DIR/checkpoint/last.pt; exports OUT_DIR/export "
-        "(config.json, model.safetensors, tokenizer, training_log.json). Unset options take the "
-        "defaults of dspark.train.pretrain_config.PretrainConfig (or tiny_pretrain_config with --tiny).",
-    )
-    p.add_argument(
-        "--data-dir",
-        help="train/validation .npy + tokenizer.json (default runs/data/bpe8k; with --tiny runs/data/tiny, built "
-        "on first use)",
-    )
-    p.add_argument(
-        "--out-dir",
-        help="checkpoint and export directory (default runs/target, runs/kimi-target with --kimi-k3-mini; "
-        "runs/tiny-target / runs/tiny-kimi-target with --tiny)",
-    )
-    p.add_argument("--max-minutes", type=float, help="wall-clock budget across resumes (default 55)")
-    p.add_argument("--no-time-limit", action="store_true", help="no wall-clock budget (needs --max-steps)")
-    p.add_argument("--max-steps", type=int, help="cosine horizon (default: derived from --max-minutes)")
-    p.add_argument("--seq-len", type=int, help="training window in tokens (default 512)")
-    p.add_argument("--batch-size", type=int, help="sequences per step (default 4)")
-    p.add_argument("--lr", type=float, help="peak learning rate (default 2e-3)")
-    p.add_argument("--warmup-steps", type=int, help="linear warmup steps (default 100)")
-    p.add_argument("--eval-interval", type=int, help="steps between validation passes (default 250)")
-    p.add_argument("--ckpt-interval", type=int, help="steps between checkpoints (default 250)")
-    p.add_argument("--seed", type=int, help="init and data-order seed (default 0)")
-    p.add_argument("--num-threads", "--threads", type=int, help="torch threads (default min(2, cpus))")
-    p.add_argument("--resume", action="store_true", help="continue exactly from OUT_DIR/checkpoint/last.pt")
-    p.add_argument(
-        "--init-from",
-        metavar="MODEL_DIR",
-        help="continued pre-training: start from this exported target (same shapes; YaRN may differ)",
-    )
-    p.add_argument("--yarn-factor", type=float, help="YaRN factor: max positions = original window x factor (4)")
-    p.add_argument("--original-max-position-embeddings", type=int, help="YaRN's original window (default: --seq-len)")
-    p.add_argument("--eval-seq-len", type=int, help="validation window (default: --seq-len)")
-    p.add_argument("--eval-max-windows", type=int, help="validation windows at most (default: all)")
-    p.add_argument(
-        "--tiny",
-        action="store_true",
-        help="a seconds-long smoke run with a tiny model; needs no prepared data (builds runs/data/tiny itself)",
-    )
-    p.add_argument(
-        "--kimi-k3-mini",
-        action="store_true",
-        help="the K3-shaped hybrid (kimi_linear: KDA + MLA-NoPE 3:1, SiTU, latent MoE, AttnRes; "
-        "default out-dir runs/kimi-target) instead of the DeepSeek-V3-shaped k3-mini",
-    )
-    p.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
-    p.add_argument("--json", action="store_true", help="print the TrainResult (without losses) as JSON")
-    p.set_defaults(func=cmd_train_target)
 
 
 # ---- generate / verify-lossless -------------------------------------------------------------------------
@@ -385,7 +267,7 @@ def _prompt(engine, text: str, chat: bool) -> str | list[int]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from dspark.llm import build_engines
+    from dspark.llm import build_engines, engine_configs
 
     params = _sampling(args, args.max_tokens)  # refuse bad sampling values before loading anything
     apply_threads(args)
@@ -396,12 +278,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engines = build_engines(
         model,
         configs,
-        dtype=args.dtype,
+        *engine_configs(dtype=args.dtype,
         quantization=args.quantization,
         seed=args.seed or 0,
         attention_backend=args.attention_backend,
         enable_prefix_caching=args.enable_prefix_caching,
-        **kv_offload_kwargs(args),
+        **kv_offload_kwargs(args)),
     )
     chat, why = prompt_format(engines[0], args.chat)
     prompt = _prompt(engines[0], args.prompt, chat)
@@ -545,25 +427,14 @@ def offload_report_lines(c: dict) -> list[str]:
     return lines
 
 
-SPEC_HELP = (
-    'vLLM-style JSON, or @FILE to read it from a file, e.g. \'{"method": "dspark"}\'; "model" takes a drafter dir, '
-    "a bundled drafter name (kimi-k3-mini-dspark, ...) or a hub id"
-)
-
-
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
-    p.add_argument(
-        "--model",
-        default=None,
-        help="target dir, .gguf, bundled name (kimi-k3-mini, k3-mini), alias (smollm2-135m-instruct) or hub id "
-        "(default: the bundled kimi-k3-mini pair)",
-    )
-    p.add_argument("--speculative-config", type=json_object, default=None, help=SPEC_HELP)
-    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    add_model_arg(p)
+    add_speculative_config_arg(p)
+    add_max_tokens_arg(p, max_tokens)
     p.add_argument("--temperature", type=float, default=temperature)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    add_seed_arg(p)
     add_precision_args(p)
     p.add_argument(
         "--attention-backend",
@@ -613,21 +484,21 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_verify_lossless(args: argparse.Namespace) -> int:
-    from dspark.llm import build_engines
+    from dspark.llm import build_engines, engine_configs
 
     depths = parse_depths(args.context_depths)
     apply_threads(args)
     model, demo = model_or_demo(args.model)
-    spec = json.loads(default_spec(args, model if demo else None) or json.dumps({"method": "dspark"}))
+    spec = default_spec(args, model if demo else None) or {"method": "dspark"}
     spec.setdefault("speculation_guard", False)  # every step drafts: the rounds are what is verified
     spec_engine, ar_engine = build_engines(
         model,
         [spec, None],
-        dtype=args.dtype,
+        *engine_configs(dtype=args.dtype,
         quantization=args.quantization,
         attention_backend=args.attention_backend,
         enable_prefix_caching=args.enable_prefix_caching,
-        **kv_offload_kwargs(args),
+        **kv_offload_kwargs(args)),
     )
     precision = spec_engine.precision
     print(
@@ -718,9 +589,9 @@ def add_verify_lossless(sub: argparse._SubParsersAction) -> None:
         help="pad prompts with real preceding code to N tokens and verify at each depth, e.g. 1024,4096,16384",
     )
     p.add_argument("--context-source", default=None, help="corpus-format JSONL of code used as padding")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--model", default=None, help="target (as generate's --model; default: the bundled pair)")
-    p.add_argument("--speculative-config", type=json_object, default=None, help=SPEC_HELP)
+    add_max_tokens_arg(p, 64)
+    add_model_arg(p)
+    add_speculative_config_arg(p)
     add_precision_args(p)  # the defaults generate and serve run with: what is verified is what runs
     p.add_argument(
         "--attention-backend",
@@ -735,14 +606,33 @@ def add_verify_lossless(sub: argparse._SubParsersAction) -> None:
 
 # ---- registry -------------------------------------------------------------------------------------------
 
-# subcommands defined next to their library code: module with ``add_parser(sub)``
-MODULES = {
+# every subcommand: name -> the module whose ``add_parser(sub)`` registers it (tests/test_cli_options.py checks
+# that the two agree)
+SUBCOMMANDS = {
+    "generate": "dspark.cli",
+    "verify-lossless": "dspark.cli",
+    "check": "dspark.cli",
+    "roster": "dspark.cli",
+    "train-target": "dspark.train.pretrain_cli",
     "serve": "dspark.serve.cli",
+    "serve-proxy": "dspark.serve.cli",
     "bench": "dspark.bench.cli",
-    "train-draft": "dspark.train.draft_cli",
-    "calibrate": "dspark.train.calibrate",
     "profile": "dspark.bench.profile",
+    "calibrate": "dspark.train.calibrate",
+    "train-draft": "dspark.train.draft_cli",
+    "draft-data": "dspark.train.draft_cli",
+    "prepare-features": "dspark.train.draft_cli",
+    "chat-data": "dspark.train.draft_cli",
+    "sharegpt-data": "dspark.train.draft_cli",
+    "sharegpt-regen": "dspark.train.draft_cli",
 }
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    add_generate(sub)
+    add_verify_lossless(sub)
+    add_check(sub)
+    add_roster(sub)
 
 
 def version_text() -> str:
@@ -781,12 +671,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--version", action=_VersionAction, help="print the dspark and torch versions and the CPU capability, and exit"
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    add_generate(sub)
-    add_verify_lossless(sub)
-    add_check(sub)
-    add_roster(sub)
-    add_train_target(sub)
-    for module in MODULES.values():
+    for module in dict.fromkeys(SUBCOMMANDS.values()):
         importlib.import_module(module).add_parser(sub)
     return parser
 

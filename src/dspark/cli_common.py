@@ -1,5 +1,6 @@
-"""Helpers every ``dspark`` subcommand shares: comma-list and JSON argparse types, the ``--threads``, ``--dtype`` and
-``--quantization`` options, the model dir (or a tiny demo pair) and the default speculative config. A leaf module:
+"""Helpers every ``dspark`` subcommand shares: comma-list and JSON argparse types, the shared options (``--model``,
+``--speculative-config``, ``--seed``, ``--max-tokens``, ``--threads``, ``--dtype``, ``--quantization``: each defined
+only here), the model dir (or a tiny demo pair) and the default speculative config. A leaf module:
 subcommand modules import it, never ``dspark.cli`` itself."""
 
 from __future__ import annotations
@@ -77,16 +78,50 @@ def json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def add_threads_arg(p: argparse.ArgumentParser) -> None:
-    """``--threads N``: torch's intra-op threads, skipping the per-machine measurement (dspark.threads)."""
-    p.add_argument(
-        "--threads",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="CPU threads for torch (default: DSPARK_NUM_THREADS, else measured once per machine and model and "
-        "cached under $DSPARK_CACHE)",
-    )
+# ---- the options several subcommands share: each defined here once ----------------------------------------------
+
+MODEL_HELP = (
+    "target dir, .gguf, bundled name (kimi-k3-mini, k3-mini), alias (smollm2-135m-instruct) or hub id (default: the "
+    "bundled kimi-k3-mini pair)"
+)
+SPEC_HELP = (
+    'vLLM-style JSON, or @FILE to read it from a file, e.g. \'{"method": "dspark"}\'; "model" takes a drafter dir, '
+    "a bundled drafter name (kimi-k3-mini-dspark, ...) or a hub id"
+)
+THREADS_HELP = (
+    "CPU threads for torch (default: DSPARK_NUM_THREADS, else measured once per machine and model and cached under "
+    "$DSPARK_CACHE)"
+)
+SHARED_OPTIONS = ("--model", "--speculative-config", "--seed", "--max-tokens", "--threads", "--num-threads")
+
+
+def add_model_arg(p: argparse.ArgumentParser, help: str = MODEL_HELP) -> None:
+    """``--model``: the target (a reference ``dspark.checkpoint.resolve`` resolves); None: the command's default."""
+    p.add_argument("--model", default=None, help=help)
+
+
+def add_speculative_config_arg(p: argparse.ArgumentParser, help: str = SPEC_HELP) -> None:
+    """``--speculative-config``: a JSON object (inline or ``@file``), parsed once by the ``json_object`` type."""
+    p.add_argument("--speculative-config", type=json_object, default=None, help=help)
+
+
+def add_seed_arg(p: argparse.ArgumentParser, default: int | None = None, help: str | None = None) -> None:
+    """``--seed``: the command's random seed; ``default`` is the seed of the config the command builds."""
+    p.add_argument("--seed", type=int, default=default, help=help)
+
+
+def add_max_tokens_arg(p: argparse.ArgumentParser, default: int | None, help: str | None = None) -> None:
+    """``--max-tokens``: new tokens per request; ``default`` comes from the config the command builds."""
+    p.add_argument("--max-tokens", type=int, default=default, help=help)
+
+
+def add_threads_arg(
+    p: argparse.ArgumentParser, dest: str = "threads", default: int | None = None, help: str = THREADS_HELP
+) -> None:
+    """``--threads N`` (also spelled ``--num-threads``): torch's intra-op threads, a positive count; None: the
+    measured per-machine default (dspark.threads) or what the command's config says."""
+    flags = ("--threads", "--num-threads") if dest == "threads" else ("--num-threads", "--threads")
+    p.add_argument(*flags, dest=dest, type=positive_int, default=default, metavar="N", help=help)
 
 
 def add_device_arg(p: argparse.ArgumentParser, dest: str = "device") -> None:
@@ -215,24 +250,18 @@ def model_or_demo(model: str | None) -> tuple[str | None, bool]:
     return str(target_dir), True
 
 
-def default_spec(args: argparse.Namespace, demo_dir: str | None) -> str | None:
-    """The speculative config as JSON text: --speculative-config (a dict from the ``json_object`` type, or JSON
-    text / ``@file`` from a parser without it, read here: never the raw ``@file`` string); else DSpark with the
-    bundled, shipped (or demo) drafter; None for --no-spec or a user model without a config."""
+def default_spec(args: argparse.Namespace, demo_dir: str | None) -> dict[str, Any] | None:
+    """The speculative config as a dict: --speculative-config (already parsed by the ``json_object`` type of
+    ``add_speculative_config_arg``); else DSpark with the bundled, shipped (or demo) drafter; None for --no-spec or a
+    user model without a config."""
     if getattr(args, "no_spec", False):
         return None
-    given = args.speculative_config
-    if given:
-        if isinstance(given, str):
-            try:
-                given = json_object(given)
-            except argparse.ArgumentTypeError as e:
-                raise ConfigError(f"--speculative-config: {e}") from None
-        return json.dumps(given)
+    if args.speculative_config:
+        return dict(args.speculative_config)
     if demo_dir is not None:
-        return json.dumps({"method": "dspark", "model": str(Path(demo_dir).parent / "draft")})
+        return {"method": "dspark", "model": str(Path(demo_dir).parent / "draft")}
     if args.model is None or _has_shipped_drafter(args.model):
-        return json.dumps({"method": "dspark"})
+        return {"method": "dspark"}
     return None
 
 

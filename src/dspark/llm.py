@@ -4,8 +4,9 @@ bench)."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +27,13 @@ from dspark.checkpoint.resolve import (
     shipped_drafts,
 )
 from dspark.config import CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
+from dspark.config.backends import BackendSubstitutionWarning
 from dspark.doctor.gate import check_before_load, check_finite
 from dspark.engine.engine import Engine, RequestOutput, load_adaptive, merge_samples
 from dspark.engine.metrics import EngineMetrics
 from dspark.engine.request import Request
-from dspark.models.loading import load_drafter, load_target
+from dspark.models.loading import load_drafter, load_target, resolve_precision
 from dspark.models.spec import model_spec, one_read_per_model
-from dspark.precision import resolve_precision
 from dspark.sampling_params import SamplingParams
 from dspark.spec.guard import SpeculationGuard
 from dspark.threads import model_key as thread_model_key
@@ -50,6 +51,7 @@ __all__ = [  # the bundled-model names live in dspark.checkpoint.resolve; import
     "OFFICIAL_DRAFT_CONFIG",
     "build_engine",
     "build_engines",
+    "engine_configs",
     "bundled_available",
     "resolve_draft",
     "resolve_model",
@@ -63,57 +65,41 @@ def _parse_spec(spec: str | Mapping[str, Any] | SpeculativeConfig | None) -> Spe
     return SpeculativeConfig.parse(spec)
 
 
+def engine_configs(**kwargs: Any) -> tuple[EngineConfig, CacheConfig]:
+    """vLLM-style flat keywords (``LLM(dtype=..., max_num_seqs=..., page_size=...)``) as the two configs they fill;
+    a keyword neither config has is a TypeError naming it."""
+    engine_keys = {f.name for f in fields(EngineConfig)}
+    cache_keys = {f.name for f in fields(CacheConfig)}
+    unknown = sorted(kwargs.keys() - engine_keys - cache_keys)
+    if unknown:
+        raise TypeError(f"unexpected engine keyword(s) {unknown}; EngineConfig and CacheConfig name the valid ones")
+    return (
+        EngineConfig(**{k: v for k, v in kwargs.items() if k in engine_keys}),
+        CacheConfig(**{k: v for k, v in kwargs.items() if k in cache_keys}),
+    )
+
+
 @one_read_per_model()  # the resolver, the doctor, the loaders and the tokenizer share one read of each model
 def build_engines(
     model: str | Path | None,
     speculative_configs: Sequence[str | Mapping[str, Any] | SpeculativeConfig | None],
-    dtype: str = EngineConfig.dtype,
-    quantization: str = EngineConfig.quantization,
-    max_num_seqs: int = EngineConfig.max_num_seqs,
-    max_model_len: int | None = EngineConfig.max_model_len,
-    num_pages: int | None = CacheConfig.num_pages,
-    page_size: int = CacheConfig.page_size,
-    seed: int = EngineConfig.seed,
-    max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
-    max_waiting: int = EngineConfig.max_waiting,
-    swap_space: float | None = CacheConfig.swap_space,
-    attention_backend: str | None = EngineConfig.attention_backend,
-    enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
-    max_state_snapshots: int | None = CacheConfig.max_state_snapshots,
-    kv_offload_cpu_bytes: int = CacheConfig.kv_offload_cpu_bytes,
-    kv_offload_dir: str | None = CacheConfig.kv_offload_dir,
-    kv_offload_disk_bytes: int = CacheConfig.kv_offload_disk_bytes,
+    engine: EngineConfig | None = None,
+    cache: CacheConfig | None = None,
 ) -> list[Engine]:
     """One engine per speculative config, all sharing one loaded target (and drafters per directory).
 
-    ``dtype`` and ``quantization`` ("auto" by default) are resolved for this machine and model first
-    (dspark.precision); each engine's ``precision`` says what was chosen and why, its ``cfg`` holds the result."""
+    ``engine.dtype`` and ``engine.quantization`` ("auto" by default) are resolved for this machine and model first
+    (``resolve_precision``); each engine's ``precision`` says what was chosen and why, its ``cfg`` holds the result.
+    Flat vLLM-style keywords: ``build_engines(model, specs, *engine_configs(dtype=..., ...))``."""
+    engine, cache = engine or EngineConfig(), cache or CacheConfig()
     target_dir = resolve_model(model)
     specs = [_parse_spec(s) for s in speculative_configs]
-    EngineConfig(dtype=dtype, quantization=quantization)  # refuse a bad name before anything is read
     target_spec = model_spec(target_dir)
-    precision = resolve_precision(target_spec, dtype, quantization)
+    precision = resolve_precision(target_spec, engine.dtype, engine.quantization)
     dtype = precision.dtype
-    ecfg = EngineConfig(
-        max_num_seqs=max_num_seqs,
-        max_model_len=max_model_len,
-        dtype=dtype,
-        quantization=precision.quantization,
-        seed=seed,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_waiting=max_waiting,
-        attention_backend=attention_backend,
-    )
-    cache = CacheConfig(
-        page_size=page_size,
-        num_pages=num_pages,
-        swap_space=swap_space,
-        enable_prefix_caching=enable_prefix_caching,
-        max_state_snapshots=max_state_snapshots,
-        kv_offload_cpu_bytes=kv_offload_cpu_bytes,
-        kv_offload_dir=kv_offload_dir,
-        kv_offload_disk_bytes=kv_offload_disk_bytes,
-    )
+    with warnings.catch_warnings():  # the caller's config said it once, at construction
+        warnings.simplefilter("ignore", BackendSubstitutionWarning)
+        ecfg = replace(engine, dtype=dtype, quantization=precision.quantization)
     draft_dirs = [resolve_draft(spec, target_dir) if spec is not None else None for spec in specs]
     check_before_load(target_dir, draft_dirs)  # the doctor refuses what `dspark check` rejects
     target = load_target(target_spec, dtype, precision.quantization)  # only the target is quantized
@@ -210,7 +196,7 @@ def build_engine(
     speculative_config: str | Mapping[str, Any] | SpeculativeConfig | None = None,
     **kwargs: Any,
 ) -> Engine:
-    return build_engines(model, [speculative_config], **kwargs)[0]
+    return build_engines(model, [speculative_config], *engine_configs(**kwargs))[0]
 
 
 Prompt = str | Sequence[int]

@@ -10,22 +10,19 @@ machine and this model (the defaults of ``EngineConfig``, so of every command an
   instructions every bf16 product converts to fp32 first).
 
 The machine half (bf16 or not) is cached per machine in ``$DSPARK_CACHE/dtype.json``, keyed as the thread default
-is (CPU model, torch version, CPU capability), and the key also names the bf16 flags found.
+is (CPU model, torch version, CPU capability), and the key also names the bf16 flags found. Both halves for one
+model: ``dspark.models.loading.resolve_precision`` (it reads the model, so it lives with the loaders).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from dspark.config import AUTO, DTYPE_CHOICES, ConfigError
 from dspark.threads import cpu_model, read_cache, write_cache
-
-if TYPE_CHECKING:
-    from dspark.models.spec import ModelSpec
 
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # x86 instructions that multiply bf16 without converting it first
 
@@ -48,6 +45,18 @@ class Precision:
 
     def to_json(self) -> dict[str, str]:
         return asdict(self)
+
+
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def torch_dtype(name: str | torch.dtype) -> torch.dtype:
+    """A dtype name ("bfloat16", "float32", "float16") as its torch dtype; a torch dtype as itself."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in TORCH_DTYPES:
+        raise ConfigError(f"dtype {name!r} is not supported; use one of {sorted(TORCH_DTYPES)}")
+    return TORCH_DTYPES[name]
 
 
 def cpu_flags() -> frozenset[str]:
@@ -93,7 +102,7 @@ def machine_dtype() -> tuple[str, str]:
 
 
 def _cache_path() -> Path:
-    from dspark.checkpoint.gguf import cache_root  # $DSPARK_CACHE, default ~/.cache/dspark
+    from dspark.paths import cache_root  # $DSPARK_CACHE, default ~/.cache/dspark
 
     return cache_root() / "dtype.json"
 
@@ -110,10 +119,3 @@ def choose_dtype(dtype: str, quantization: str) -> tuple[str, str]:
     return name, f"auto: {why}"
 
 
-def resolve_precision(target: str | Path | ModelSpec, dtype: str = AUTO, quantization: str = AUTO) -> Precision:
-    """The target's weight format, then its dtype (which depends on it), for a model directory (or its spec)."""
-    from dspark.models.loading import choose_quantization
-
-    quant, quant_why = choose_quantization(target, quantization)
-    name, dtype_why = choose_dtype(dtype, quant)
-    return Precision(name, quant, cpu_capability(), dtype_why, quant_why)

@@ -94,7 +94,7 @@ def pick(best: dict[int, float], margin: float = MARGIN) -> int:
 
 
 def _cache_path() -> Path:
-    from dspark.checkpoint.gguf import cache_root  # $DSPARK_CACHE, default ~/.cache/dspark
+    from dspark.paths import cache_root  # $DSPARK_CACHE, default ~/.cache/dspark
 
     return cache_root() / "threads.json"
 

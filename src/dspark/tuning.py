@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.checkpoint.gguf import cache_root
+from dspark.paths import cache_root
 from dspark.threads import cpu_model
 
 STS_FILE = "sts_calibration.json"

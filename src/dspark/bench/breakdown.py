@@ -226,7 +226,7 @@ def format_breakdowns(results: Sequence[Breakdown]) -> str:
 def cmd_breakdown(args, target_dir: Path, draft_dir: Path | None) -> int:
     """Entry of `dspark profile --breakdown` (args from bench/profile.py's parser, which resolves the dirs)."""
     from dspark.bench.datasets import HELDOUT, read_bench_prompts
-    from dspark.llm import build_engines
+    from dspark.llm import build_engines, engine_configs
     from dspark.threads import describe_threads
 
     cfg = BreakdownConfig(steps=args.steps, warmup=args.warmup, concurrency=args.concurrency)
@@ -237,7 +237,9 @@ def cmd_breakdown(args, target_dir: Path, draft_dir: Path | None) -> int:
             {"method": "dspark", "model": str(draft_dir), "num_speculative_tokens": k, "speculation_guard": False}
         )
     engines = build_engines(
-        target_dir, specs, dtype=args.dtype, quantization=args.quantization, max_num_seqs=cfg.concurrency
+        target_dir,
+        specs,
+        *engine_configs(dtype=args.dtype, quantization=args.quantization, max_num_seqs=cfg.concurrency),
     )
     tok = engines[0].tokenizer
     prompts = [tok.encode(p.text) for p in read_bench_prompts(str(HELDOUT), max(cfg.concurrency, 4), None)]

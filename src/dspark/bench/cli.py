@@ -8,8 +8,17 @@ import os
 import sys
 from pathlib import Path
 
-from dspark.cli_common import add_precision_args, add_prefix_caching_arg, float_list, int_list
-from dspark.config import ConfigError
+from dspark.cli_common import (
+    add_max_tokens_arg,
+    add_model_arg,
+    add_precision_args,
+    add_prefix_caching_arg,
+    add_seed_arg,
+    add_threads_arg,
+    float_list,
+    int_list,
+)
+from dspark.config import ConfigError, SpeculativeConfig
 
 BASELINES_HELP = "dflash,ngram,dspark-adaptive,dspark-guard,hf-generate,hf-prompt-lookup,vllm,vllm-ngram,llama-cpp"
 
@@ -151,7 +160,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(HumanEval), math (GSM8K test), chat (MT-bench); default: bundled held-out stdlib prompts",
     )
     p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=128)
+    add_max_tokens_arg(p, 128)
     p.add_argument("--temperature", type=float_list, default=(0.0,), help="one or more, e.g. 0,1")
     p.add_argument(
         "--baselines",
@@ -163,12 +172,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", type=int_list, default=(1,), help="concurrent requests per batch, e.g. 1,4,16")
     p.add_argument("--output", default=None, help="write the results JSON here")
     p.add_argument("--plot", default=None, help="write a PNG (acceptance, tokens/s, τ vs depth)")
-    p.add_argument("--model", default=None, help="target dir (default: the bundled kimi-k3-mini)")
+    add_model_arg(p)
     p.add_argument("--draft", default=None, help="DSpark drafter dir (default: the bundled kimi-k3-mini-dspark)")
     p.add_argument(
         "--dflash-draft", default=None, help="markov_rank-0 drafter for 'dflash' (default: bundled, else head off)"
     )
-    p.add_argument("--num-speculative-tokens", type=int, default=None, help="K (default 7, capped by block_size)")
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help=f"K (default {SpeculativeConfig.num_speculative_tokens}, capped by block_size)",
+    )
     p.add_argument(
         "--context-depths",
         type=int_list,
@@ -192,15 +206,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_precision_args(p)  # our engines' target; the transformers and vLLM baselines run dense in the chosen dtype
     add_prefix_caching_arg(p)  # our engines only
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--num-threads",
-        "--threads",
-        type=int,
-        default=None,
-        help="torch CPU threads (default: DSPARK_NUM_THREADS, else measured per machine and model, see "
-        "dspark/threads.py)",
-    )
+    add_seed_arg(p, 0)
+    add_threads_arg(p, dest="num_threads")
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens per prompt")
     p.add_argument(
         "--json-object",

@@ -106,12 +106,12 @@ def run_multiturn(
     model: str | None, spec: str | None, convs: Sequence[tuple[str, str]], max_tokens: int, **engine_kwargs: Any
 ) -> dict[str, Any]:
     """Both modes on one loaded target; the report as JSON-ready data."""
-    from dspark.llm import LLM, build_engines
+    from dspark.llm import LLM, build_engines, engine_configs
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     results, answers = [], []
     for on in MODES:  # one engine per mode: each starts with an empty cache
-        engine = build_engines(model, [spec], enable_prefix_caching=on, **engine_kwargs)[0]
+        engine = build_engines(model, [spec], *engine_configs(enable_prefix_caching=on, **engine_kwargs))[0]
         warm = engine.tokenizer.encode_chat([{"role": "user", "content": "Hello."}])
         LLM.from_engine(engine).generate([warm], SamplingParams(max_tokens=2))  # kernels warm, not timed
         got, ans = run_mode(engine, convs, params)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.cli_common import add_precision_args
+from dspark.cli_common import add_model_arg, add_precision_args, add_threads_arg
 from dspark.config import CacheConfig, ConfigError, EngineConfig, SpeculativeConfig
 from dspark.engine.engine import Engine
 from dspark.engine.request import Request
@@ -199,8 +199,7 @@ def _resolve(args: argparse.Namespace) -> tuple[Path, Path | None]:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from dspark.models.loading import load_drafter, load_target
-    from dspark.precision import resolve_precision
+    from dspark.models.loading import load_drafter, load_target, resolve_precision
     from dspark.threads import apply_known_threads, model_key
     from dspark.tuning import SPS_FILE, output_path, usage_line
 
@@ -263,7 +262,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Times one engine step (drafter proposal + paged target verify) on this machine for every "
         "batch size and tokens per request, and writes the SPS(B) table that enable_adaptive_verification reads.",
     )
-    p.add_argument("--model", default=None, help="target model dir (default: the bundled kimi-k3-mini)")
+    add_model_arg(p)
     p.add_argument("--draft", default=None, help="draft dir to include in the step (default: bundled draft if any)")
     p.add_argument("--no-draft", action="store_true", help="time the target verify forward only")
     p.add_argument(
@@ -278,13 +277,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per point (default 2)")
     p.add_argument("--raw", action="store_true", help="keep raw medians (no non-increasing fit over B)")
     add_precision_args(p)
-    p.add_argument(
-        "--num-threads",
-        "--threads",
-        type=int,
-        default=None,
-        help="torch threads (default: DSPARK_NUM_THREADS, else measured, see dspark/threads.py)",
-    )
+    add_threads_arg(p, dest="num_threads")
     p.add_argument("--quiet", action="store_true", help="no per-point lines")
     p.add_argument(
         "--breakdown",
@@ -293,5 +286,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--steps", type=int, default=16, help="--breakdown: profiled steps per method (default 16)")
     p.add_argument("--concurrency", type=int, default=1, help="--breakdown: concurrent requests (default 1)")
-    p.add_argument("--num-speculative-tokens", type=int, default=7, help="--breakdown: K (default 7)")
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=SpeculativeConfig.num_speculative_tokens,
+        help=f"--breakdown: K (default {SpeculativeConfig.num_speculative_tokens})",
+    )
     p.set_defaults(func=cmd_profile)

@@ -109,7 +109,7 @@ def write_set(name: str, out_dir: Path) -> Path:
 
 def resolve_dataset(spec: str) -> str:
     """``--dataset`` items: a public set's name becomes its JSONL under $DSPARK_CACHE/bench; paths pass through."""
-    from dspark.checkpoint.gguf import cache_root
+    from dspark.paths import cache_root
 
     items = []
     for item in spec.split(","):

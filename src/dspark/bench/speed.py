@@ -31,11 +31,11 @@ from dspark.config import (
     CacheConfig,
     ConfigError,
     EngineConfig,
-    KimiLinearConfig,
     SpeculativeConfig,
     TargetConfig,
 )
 from dspark.engine.metrics import DecodeTimes, tau_bound
+from dspark.models.families import family_of
 from dspark.models.loading import read_draft_config
 from dspark.models.spec import one_read_per_model
 from dspark.sampling_params import SamplingParams, StructuredOutput
@@ -228,7 +228,7 @@ class BenchConfig:
     temperatures: tuple[float, ...] = (0.0,)
     concurrency: tuple[int, ...] = (1,)
     baselines: tuple[str, ...] | None = None  # compared against ar + dspark (always run); None: every applicable
-    num_speculative_tokens: int | None = None  # None: 7, capped by the drafter's block_size
+    num_speculative_tokens: int | None = None  # None: SpeculativeConfig's, capped by the drafter's block_size
     context_depths: tuple[int, ...] = ()
     context_prompts: int = 4
     context_source: str | None = None  # corpus-format JSONL (default: the committed held-out sources)
@@ -350,18 +350,15 @@ def method_names(cfg: BenchConfig, res: Resolved, notes: list[str]) -> list[str]
 
 
 def _peer_cannot_run(target_dir: Path, peer: str, notes: list[str], methods: Sequence[str]) -> bool:
-    """A hybrid kimi_linear target is out of reach of the peers on CPU: transformers' KimiLinearForCausalLM has
-    none of K3's additions (AttnRes, latent MoE, SiTU), and vLLM's KDA layers need its GPU kernels."""
+    """Whether ``peer`` cannot run the target (its family says what the peer lacks: ``Family.peer_gap``)."""
     from dspark.models.loading import read_target_config
 
     cfg = read_target_config(target_dir) if (target_dir / "config.json").is_file() else None
-    if not isinstance(cfg, KimiLinearConfig):
+    family = family_of(cfg) if cfg is not None else None
+    why = family.peer_gap(cfg, peer) if family is not None else None
+    if why is None:
         return False
-    k3 = cfg.attn_res_block_size or cfg.moe_latent_size or cfg.hidden_act != "silu"
-    if peer == "transformers" and not k3:
-        return False
-    why = "K3's AttnRes / latent MoE / SiTU" if peer == "transformers" else "KDA kernels on CPU"
-    notes.append(f"{', '.join(methods)}: skipped ({peer} has no {why} for this kimi_linear target)")
+    notes.append(f"{', '.join(methods)}: skipped ({peer} has no {why} for this {family.name} target)")
     return True
 
 
@@ -422,9 +419,8 @@ def _pages_needed(lengths: Sequence[int], concurrency: int, extra: int, page: in
 def run_bench(cfg: BenchConfig) -> BenchReport:
     """Build every method on one loaded target, then run all cells interleaved; see the module docstring."""
     from dspark.bench.datasets import depth_prompts, encode_prompt, read_bench_prompts, read_sources
-    from dspark.models.loading import read_target_config
+    from dspark.models.loading import read_target_config, resolve_precision
     from dspark.models.spec import model_spec
-    from dspark.precision import resolve_precision
     from dspark.tokenizer import load_tokenizer
 
     notes: list[str] = []
@@ -516,7 +512,7 @@ def _measure_ours(
     names: list[str], cells: list[Cell], cfg: BenchConfig, res: Resolved, k: int, tcfg: TargetConfig, notes: list[str]
 ) -> tuple[list[Parts], list[str]]:
     """Phase 1: our engines and the transformers baselines, interleaved; all of them are closed on return."""
-    from dspark.llm import build_engines
+    from dspark.llm import build_engines, engine_configs
 
     engine_names = [n for n in names if n in ENGINE_METHODS]
     page = 16
@@ -525,14 +521,14 @@ def _measure_ours(
     engines = build_engines(
         res.target_dir,
         [_spec_for(n, res, k, cfg.draft_window, cfg.draft_vocab_size) for n in engine_names],
-        dtype=cfg.dtype,
+        *engine_configs(dtype=cfg.dtype,
         quantization=cfg.quantization,
         max_num_seqs=max(cfg.concurrency),
         num_pages=num_pages + max(cfg.concurrency),
         page_size=page,
         seed=cfg.seed,
         max_model_len=min(tcfg.max_position_embeddings, 32768),
-        enable_prefix_caching=cfg.enable_prefix_caching,
+        enable_prefix_caching=cfg.enable_prefix_caching),
     )
     methods: list[Method] = [EngineMethod(method_label(n, res), e) for n, e in zip(engine_names, engines)]
     del engines

@@ -34,13 +34,10 @@ import numpy as np
 import torch
 
 from dspark.checkpoint.io import CheckpointError, Problem, save_state_dict
+from dspark.config import GGUF_ARCHS, gqa_header
+from dspark.paths import cache_root
 
 EXPORT_VERSION = 1  # bump when the exported layout changes, so stale caches are rebuilt
-SUPPORTED_ARCHS = {  # general.architecture -> (HF model_type, HF architecture)
-    "llama": ("llama", "LlamaForCausalLM"),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
-    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
-}
 ROTARY_PERMUTED = {"llama"}  # llama.cpp's converter permutes q/k rows only for these
 
 _F16 = np.dtype("<f2")
@@ -186,14 +183,13 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 def hf_config(reader: Any, tensor_names: set[str], source: str) -> dict[str, Any]:
     """An HF config.json (LlamaConfig / Qwen2Config / Qwen3Config keys) from the GGUF metadata."""
     arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHS:
+    if arch not in GGUF_ARCHS:
         raise CheckpointError(
             Problem(
                 f"{source}: general.architecture {arch!r} is not supported",
-                f"use a GGUF of one of {sorted(SUPPORTED_ARCHS)}, or an HF directory",
+                f"use a GGUF of one of {sorted(GGUF_ARCHS)}, or an HF directory",
             )
         )
-    model_type, hf_arch = SUPPORTED_ARCHS[arch]
 
     def need(key: str) -> Any:
         v = _field(reader, f"{arch}.{key}")
@@ -205,9 +201,7 @@ def hf_config(reader: Any, tensor_names: set[str], source: str) -> dict[str, Any
     hidden = int(need("embedding_length"))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = _field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
-    cfg: dict[str, Any] = {
-        "architectures": [hf_arch],
-        "model_type": model_type,
+    cfg: dict[str, Any] = gqa_header(arch) | {  # each llama.cpp architecture converts to the model_type it names
         "vocab_size": int(vocab),
         "hidden_size": hidden,
         "intermediate_size": int(need("feed_forward_length")),
@@ -225,7 +219,7 @@ def hf_config(reader: Any, tensor_names: set[str], source: str) -> dict[str, Any
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "torch_dtype": "float32",
     }
-    if model_type == "llama":
+    if arch == "llama":  # LlamaConfig's own keys
         cfg["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
         cfg["mlp_bias"] = False
     return cfg
@@ -265,10 +259,11 @@ def read_gguf_state(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.T
     reader = _open(path)
     names = {t.name for t in reader.tensors}
     cfg = hf_config(reader, names, str(path))
+    arch = _field(reader, "general.architecture")
     problems = []
     for t in reader.tensors:
         if hf_name(t.name) is None:
-            problems.append(Problem(f"{path}: tensor {t.name!r} has no HF {cfg['model_type']} name", ""))
+            problems.append(Problem(f"{path}: tensor {t.name!r} has no HF {arch} name", ""))
         elif t.tensor_type.name not in SUPPORTED_TYPES:
             problems.append(
                 Problem(
@@ -441,10 +436,6 @@ def gguf_source(export: str | Path) -> Path | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return p if (st.st_size, st.st_mtime_ns) == (rec.get("size"), rec.get("mtime_ns")) else None
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DSPARK_CACHE") or Path.home() / ".cache" / "dspark")
 
 
 def export_dir_for(path: str | Path) -> Path:

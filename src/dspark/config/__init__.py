@@ -34,7 +34,15 @@ from dspark.config.runtime import (
     EngineConfig,
     SpeculativeConfig,
 )
-from dspark.config.target import GQA_MODEL_TYPES, MLA_MODEL_TYPES, GQATargetConfig, MLAConfig, TargetConfig
+from dspark.config.target import (
+    GGUF_ARCHS,
+    GQA_MODEL_TYPES,
+    MLA_MODEL_TYPES,
+    GQATargetConfig,
+    MLAConfig,
+    TargetConfig,
+    gqa_header,
+)
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -42,6 +50,7 @@ __all__ = [
     "DTYPE_CHOICES",
     "DRAFT_ARCHITECTURES",
     "DTYPES",
+    "GGUF_ARCHS",
     "GQA_MODEL_TYPES",
     "KIMI_LAYER_TYPES",
     "KIMI_MLP_TYPES",
@@ -69,6 +78,7 @@ __all__ = [
     "TargetConfig",
     "attention_backend",
     "attention_scale",
+    "gqa_header",
     "read_json",
     "yarn_get_mscale",
 ]

@@ -273,6 +273,12 @@ TargetConfig.KEYS = hf_keys(
 # --------------------------------------------------------------------------------------------------------
 
 GQA_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHS = ("llama", "qwen2", "qwen3")  # llama.cpp general.architecture values; each converts to that model_type
+
+
+def gqa_header(model_type: str) -> dict[str, Any]:
+    """The keys naming a GQA model in its config.json (``model_type`` and the HF architecture)."""
+    return {"architectures": [GQA_MODEL_TYPES[model_type]], "model_type": model_type}
 
 
 @dataclass(frozen=True, kw_only=True)

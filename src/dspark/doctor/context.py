@@ -16,7 +16,7 @@ from dspark.checkpoint.io import CheckpointError, Problem, TensorInfo, is_lfs_po
 from dspark.checkpoint.roster import RosterReport, TensorSpec, compare_roster
 from dspark.config import DRAFT_ARCHITECTURES, RANDOM_WEIGHTS_KEY, ConfigError, DraftConfig
 from dspark.doctor.rootcause import RootCause, config_ints, find_root_cause
-from dspark.models.families import Family
+from dspark.models.families import Family, architectures, is_gqa_drafter
 from dspark.models.spec import ConfigFileError, ModelSpec, model_spec
 
 LM_HEAD_FILE = "lm_head.safetensors"
@@ -92,8 +92,7 @@ def roster_view(raw: dict[str, Any]) -> dict[str, Any]:
     n = len(ids) if isinstance(ids, list) and ids else 1
     d["target_layer_ids"] = list(range(n))
     d["target_num_hidden_layers"] = n + 1
-    archs = d.get("architectures")
-    if isinstance(archs, list) and archs and archs[0] == "Qwen3DSparkModel":
+    if is_gqa_drafter(d):
         d["num_target_layers"] = n + 1
     d["mask_token_id"] = 0
     d.pop("draft_vocab_size", None)
@@ -261,8 +260,8 @@ class Context:
         """The draft's ``architectures`` when they name a target model (e.g. ``LlamaForCausalLM``: a target given
         as DRAFT), else [] (a drafter, or a config too broken to tell: draft-config says what is wrong)."""
         raw = self.draft_config_read[0]
-        archs = raw.get("architectures") if raw is not None else None
-        if not isinstance(archs, list) or not archs or any(a in DRAFT_ARCHITECTURES for a in archs):
+        archs = architectures(raw) if raw is not None else []
+        if not archs or any(a in DRAFT_ARCHITECTURES for a in archs):
             return []
         spec = self.draft_spec.spec
         known_family = spec is not None and spec.family is not None

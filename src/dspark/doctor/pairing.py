@@ -12,7 +12,7 @@ from typing import Any
 from dspark.checkpoint.io import Problem
 from dspark.config import RopeConfig
 from dspark.doctor.context import Context, as_int
-from dspark.models.families import MLA
+from dspark.models.families import MLA, is_gqa_drafter
 
 YARN_KEYS = (
     "factor",
@@ -104,8 +104,7 @@ def check_target_layer_ids(ctx: Context) -> list[Problem]:
             )
         ]
     problems = []
-    archs = raw.get("architectures")
-    gqa = isinstance(archs, list) and "Qwen3DSparkModel" in archs
+    gqa = is_gqa_drafter(raw)
     declared = as_int(raw.get("num_target_layers" if gqa else "target_num_hidden_layers"))
     depth = declared
     if ctx.target_dir is not None and ctx.target_config_read[0] is not None:
@@ -258,9 +257,7 @@ def kv_note(ctx: Context) -> str | None:
     raw = ctx.draft_config_read[0] if ctx.has_draft else None
     if raw is None:
         return None
-    archs = raw.get("architectures")
-    gqa = isinstance(archs, list) and "Qwen3DSparkModel" in archs
-    width, layers = _latent_width(raw, gqa), as_int(raw.get("num_hidden_layers"))
+    width, layers = _latent_width(raw, is_gqa_drafter(raw)), as_int(raw.get("num_hidden_layers"))
     if width is None or layers is None:
         return None
     return (

@@ -30,7 +30,7 @@ from dspark.doctor.context import (
 )
 from dspark.doctor.keys import misspelled_keys
 from dspark.doctor.rootcause import cause_problems, config_ints, find_root_cause
-from dspark.models.families import Family, Weights
+from dspark.models.families import Family, Weights, model_type, without_model_type
 
 BF16_MAX = torch.finfo(torch.bfloat16).max
 _CHUNK_ELEMENTS = 1 << 24  # bf16/finiteness scan reads at most this many elements at once
@@ -395,11 +395,11 @@ def _hf_roster(raw: dict[str, Any]) -> dict[str, TensorSpec]:
 
     from dspark.checkpoint.roster import module_roster
 
-    mt = raw.get("model_type")
+    mt = model_type(raw)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            cfg = AutoConfig.for_model(mt, **{k: v for k, v in raw.items() if k != "model_type"})
+            cfg = AutoConfig.for_model(mt, **without_model_type(raw))
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(cfg)
     except Exception as e:  # transformers raises many types for configs it cannot build

@@ -28,6 +28,7 @@ from dspark.engine.request import Request, Status
 from dspark.engine.runner import ModelRunner
 from dspark.engine.scheduler import PrefillChunk, Scheduler, SchedulerOutput
 from dspark.models.drafter import DSparkDrafter
+from dspark.models.families import model_type
 from dspark.models.layers import DecoderTarget
 from dspark.models.packing import pack_for_inference
 from dspark.models.protocol import Target
@@ -47,6 +48,11 @@ if TYPE_CHECKING:
     from dspark.precision import Precision
 
 logger = logging.getLogger("dspark.engine")
+# said once per engine in bf16/fp16 (docs/performance.md, "Batch invariance"): what does and does not change a row
+INVARIANCE_NOTE = (
+    "%s: each row's logits are independent of the batch it shares; a prompt prefilled in other chunks (chunk size, "
+    "token budget, a prefix-cache hit) can round differently, and greedy text can then part where two logits tie"
+)
 
 
 class EngineError(ValueError):
@@ -193,6 +199,8 @@ class Engine:
         self.model_ref = model_ref  # the model as the user named it (directory, .gguf, alias, hub id)
         dformat = self.drafter.page_format if self.drafter is not None else None
         dtype = next(target.parameters()).dtype
+        if dtype != torch.float32:
+            logger.info(INVARIANCE_NOTE, str(dtype).removeprefix("torch."))
         self.pools = CachePools.build(target.page_format, dformat, num_pages, ccfg.page_size, dtype)
         self.pool = self.pools.target
         self.blocks = BlockManager(PageAllocator(num_pages, ccfg.page_size))
@@ -234,7 +242,7 @@ class Engine:
         """What a cached block's rows depend on besides its tokens: the models and the page formats."""
         fmt = (self.target.page_format, self.drafter.page_format if self.drafter is not None else None)
         where = (self.model_ref or self.model_dir, self.draft_dir)
-        return f"{self.target.config.model_type}|{fmt}|{dtype}|{where}"
+        return f"{model_type(self.target.config)}|{fmt}|{dtype}|{where}"
 
     @property
     def num_pages_free(self) -> int:

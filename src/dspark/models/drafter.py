@@ -10,10 +10,12 @@ Reference: k3-mla-architecture.md §1 and §5, dspark-method.md §3. Data flow f
 
 Two backbones share this class: ``K3DSparkModel`` (MLA) and DeepSpec's ``Qwen3DSparkModel`` (GQA with q/k
 RMSNorm); the latter is stored under DeepSpec's names (``fc``, ``hidden_norm``, ``norm``) via ``GQA_NAMES``.
+What differs between them is one ``Backbone`` each, picked by the config's architecture (``BACKBONES``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -77,13 +79,45 @@ class GQAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
+def _mla_attention(cfg: DraftConfig, layer_idx: int) -> MLAttention:
+    return MLAttention(cfg.mla, layer_idx)
+
+
+def _mla_row(cfg: DraftConfig) -> int:  # the latent [c_kv | k_pe]
+    return cfg.mla.latent_dim
+
+
+def _mla_expanded_row(cfg: DraftConfig) -> int:  # per-head K (nope + rope) and V
+    return cfg.mla.num_heads * (cfg.mla.qk_head_dim + cfg.mla.v_head_dim)
+
+
+def _gqa_row(cfg: DraftConfig) -> int:  # [k | v] of every KV head
+    assert cfg.num_key_value_heads is not None and cfg.head_dim is not None
+    return 2 * cfg.num_key_value_heads * cfg.head_dim
+
+
+@dataclass(frozen=True)
+class Backbone:
+    """What the drafter's two backbones differ in: attention, cached rows, checkpoint names."""
+
+    page_kind: str  # the PageFormat kind of its cached rows
+    attention: Callable[[DraftConfig, int], GQAttention | MLAttention]  # (config, layer index) -> attention
+    row_width: Callable[[DraftConfig], int]  # values per token per layer in the shared pages
+    separate_row_width: Callable[[DraftConfig], int]  # the same in a cache of its own, heads expanded
+    names: Mapping[str, str]  # our module name prefix -> its checkpoint's
+
+
+BACKBONES = {  # by DraftConfig.architecture (config.json's architectures[0])
+    "K3DSparkModel": Backbone("mla", _mla_attention, _mla_row, _mla_expanded_row, {}),
+    "Qwen3DSparkModel": Backbone("gqa", GQAttention, _gqa_row, _gqa_row, GQA_NAMES),
+}
+
+
 class DraftLayer(nn.Module):
     def __init__(self, cfg: DraftConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn: GQAttention | MLAttention = (
-            GQAttention(cfg, layer_idx) if cfg.is_gqa else MLAttention(cfg.mla, layer_idx)
-        )
+        self.self_attn: GQAttention | MLAttention = BACKBONES[cfg.architecture].attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
@@ -122,6 +156,7 @@ class DSparkDrafter(nn.Module):
     def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
         self.config = cfg
+        self.backbone = BACKBONES[cfg.architecture]
         self.context_proj = Linear(cfg.num_taps * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.context_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(cfg, i) for i in range(cfg.num_hidden_layers))
@@ -172,26 +207,18 @@ class DSparkDrafter(nn.Module):
 
     @property
     def latent_dim(self) -> int:
-        cfg = self.config
-        if cfg.is_gqa:
-            assert cfg.num_key_value_heads is not None and cfg.head_dim is not None
-            return 2 * cfg.num_key_value_heads * cfg.head_dim
-        return cfg.mla.latent_dim
+        return self.backbone.row_width(self.config)
 
     @property
     def separate_cache_width(self) -> int:
         """Values per token per layer in a conventional draft cache that shares nothing with the target: MLA heads
         expanded to per-head K (nope + rope) and V; the GQA backbone's [k | v] rows are that already."""
-        cfg = self.config
-        if cfg.is_gqa:
-            return self.latent_dim
-        mla = cfg.mla
-        return mla.num_heads * (mla.qk_head_dim + mla.v_head_dim)
+        return self.backbone.separate_row_width(self.config)
 
     @property
     def page_format(self) -> PageFormat:
         """MLA latent rows, or [k | v] rows for the GQA backbone (shares the pool with a GQA target of equal width)."""
-        return PageFormat("gqa" if self.config.is_gqa else "mla", self.latent_dim, self.config.num_hidden_layers)
+        return PageFormat(self.backbone.page_kind, self.latent_dim, self.config.num_hidden_layers)
 
     # ---- forward -------------------------------------------------------------------------------------
     def fuse_context(self, taps: torch.Tensor) -> torch.Tensor:
@@ -243,10 +270,9 @@ class DSparkDrafter(nn.Module):
     # ---- checkpoint names ----------------------------------------------------------------------------
     def file_name(self, name: str) -> str:
         """Module parameter name → name in model.safetensors (official k3_dspark or DeepSpec)."""
-        if self.config.is_gqa:
-            for ours, theirs in GQA_NAMES.items():
-                if name.startswith(ours):
-                    return theirs + name[len(ours) :]
+        for ours, theirs in self.backbone.names.items():
+            if name.startswith(ours):
+                return theirs + name[len(ours) :]
         return name
 
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from dspark.config import ConfigError, read_json
+from dspark.models.families import model_type
 from dspark.models.protocol import CacheView, PageFormat, StateSpec, TargetOutput
 
 
@@ -52,7 +53,7 @@ class HFTarget(nn.Module):
             max_position_embeddings=getattr(c, "max_position_embeddings", 4096),
             bos_token_id=c.bos_token_id,
             eos_token_ids=eos_ids,
-            model_type=c.model_type,
+            model_type=model_type(c),
         )
 
     @classmethod
@@ -64,7 +65,7 @@ class HFTarget(nn.Module):
         from transformers import AutoModelForCausalLM
 
         config = read_json(path) if config is None else config
-        if "model_type" not in config:
+        if model_type(config) is None:
             raise ConfigError(f"{path}/config.json: key 'model_type' is missing; is this an HF model directory?")
         given = {} if hf_config is None else {"config": hf_config}
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **given)

@@ -7,19 +7,17 @@ family falls back to transformers. A path works too: it is read into a spec firs
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
-from pathlib import Path
 
 import torch
 from torch import nn
 
 import dspark.native as native
 from dspark.checkpoint.gguf import gguf_source, read_gguf_blocks
-from dspark.checkpoint.io import save_state_dict
 from dspark.checkpoint.roster import load_module_strict
 from dspark.config import (
+    AUTO,
     QUANTIZATIONS,
     ConfigError,
     DraftConfig,
@@ -31,10 +29,15 @@ from dspark.models.drafter import DSparkDrafter
 from dspark.models.families import (  # noqa: F401 (re-exported: the rosters' historical home)
     DSPARK,
     KIMI_LINEAR,
+    MLA,
     dense_prefix,
     draft_roster,
     kimi_rename,
     kimi_roster,
+    model_type,
+    save_drafter,
+    save_kimi_linear,
+    save_target,
     target_roster,
 )
 from dspark.models.hf_target import HFTarget
@@ -44,20 +47,9 @@ from dspark.models.packing import Linear
 from dspark.models.protocol import Target
 from dspark.models.quantized import quantize_gguf_linears
 from dspark.models.spec import ModelSpec, model_spec
-from dspark.models.target import MLATarget
+from dspark.precision import Precision, choose_dtype, cpu_capability, torch_dtype
 
 SpecOrPath = str | os.PathLike[str] | ModelSpec  # a model directory, or its spec
-
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-
-
-def torch_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in DTYPES:
-        raise ConfigError(f"dtype {name!r} is not supported; use one of {sorted(DTYPES)}")
-    return DTYPES[name]
-
 
 # --------------------------------------------------------------------------------------------------------
 # target
@@ -78,7 +70,7 @@ def load_target(model: SpecOrPath, dtype: str | torch.dtype = "float32", quantiz
     quant = gguf_source(path) if quantization != "none" else None
     if spec.family is None:
         warnings.warn(
-            f"{path}: model_type {spec.raw.get('model_type')!r} has no native dspark family; running it through "
+            f"{path}: model_type {model_type(spec.raw)!r} has no native dspark family; running it through "
             "transformers (prefix recompute every step, slow)",
             stacklevel=2,
         )
@@ -105,13 +97,13 @@ def choose_quantization(model: SpecOrPath, quantization: str) -> tuple[str, str]
     spec = model_spec(model)
     path = spec.path
     source = gguf_source(path)
-    model_type = spec.raw.get("model_type", "deepseek_v3")
+    named = model_type(spec.raw) or MLA.name  # a config without one is DeepSeek-V3's
     native_family = spec.family is not None and spec.family.quantizable
     if quantization == "auto":
         if source is None:
             return "none", "auto: not the export of a .gguf file"
         if not native_family:
-            return "none", f"auto: model_type {model_type!r} is served dense only"
+            return "none", f"auto: model_type {named!r} is served dense only"
         if not native.available():
             return "none", f"auto: {native.status()}"
         return "gguf", f"auto: {source.name} served as stored by the native kernels"
@@ -121,21 +113,15 @@ def choose_quantization(model: SpecOrPath, quantization: str) -> tuple[str, str]
             "pass the model as its .gguf file or alias, or use quantization 'none'"
         )
     if not native_family:
-        raise ConfigError(f"quantization {quantization!r}: model_type {model_type!r} is served dense only; use 'none'")
+        raise ConfigError(f"quantization {quantization!r}: model_type {named!r} is served dense only; use 'none'")
     return quantization, f"{source.name}, as asked"
 
 
-def save_target(model: MLATarget, path: str | Path, dtype: str | torch.dtype | None = None) -> None:
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    state = {k: v for k, v in model.state_dict().items() if not k.startswith("rotary.")}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    save_state_dict(state, path, dtype=torch_dtype(dtype) if dtype else None)
-    d = model.config.to_hf_dict()
-    if dtype:
-        d["torch_dtype"] = str(torch_dtype(dtype)).removeprefix("torch.")
-    (path / "config.json").write_text(json.dumps(d, indent=2))
+def resolve_precision(target: SpecOrPath, dtype: str = AUTO, quantization: str = AUTO) -> Precision:
+    """The target's weight format, then its dtype (which depends on it), for a model directory (or its spec)."""
+    quant, quant_why = choose_quantization(target, quantization)
+    name, dtype_why = choose_dtype(dtype, quant)
+    return Precision(name, quant, cpu_capability(), dtype_why, quant_why)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -150,20 +136,8 @@ def load_kimi_linear(model: SpecOrPath, dtype: str | torch.dtype = "float32") ->
     """Load a ``kimi_linear`` directory (transformers' save_pretrained output or Moonshot's layout) unchanged."""
     spec = model_spec(model)
     if spec.family is not KIMI_LINEAR:
-        raise ConfigError(f"{spec.config_file}: model_type {spec.raw.get('model_type')!r} is not 'kimi_linear'")
+        raise ConfigError(f"{spec.config_file}: model_type {model_type(spec.raw)!r} is not 'kimi_linear'")
     return KIMI_LINEAR.load(spec.path, spec.config, torch_dtype(dtype), spec.weights)
-
-
-def save_kimi_linear(model: KimiLinearTarget, path: str | Path, dtype: str | torch.dtype | None = None) -> None:
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    rename = kimi_rename(model.config)
-    state = {n: v for k, v in model.state_dict().items() if (n := rename(k)) is not None}
-    save_state_dict(state, path, dtype=torch_dtype(dtype) if dtype else None)
-    d = model.config.to_hf_dict()
-    if dtype:
-        d["torch_dtype"] = str(torch_dtype(dtype)).removeprefix("torch.")
-    (path / "config.json").write_text(json.dumps(d, indent=2))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -195,26 +169,6 @@ def load_drafter(draft: SpecOrPath, target: nn.Module, dtype: str | torch.dtype 
         lm_head.to(torch_dtype(dtype)).requires_grad_(False)
     model.attach(target.embed_tokens, lm_head)
     return model.eval()
-
-
-def save_drafter(
-    model: DSparkDrafter,
-    path: str | Path,
-    dtype: str | torch.dtype | None = "bfloat16",
-    lm_head: nn.Module | None = None,
-) -> None:
-    """Write config.json + model.safetensors in the official roster (and lm_head.safetensors if given)."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    state = {model.file_name(k): v for k, v in model.state_dict().items() if not k.startswith("rotary.")}
-    dt = torch_dtype(dtype) if dtype else None
-    save_state_dict(state, path, dtype=dt)
-    if lm_head is not None:
-        save_state_dict({"lm_head.weight": lm_head.weight}, path, filename="lm_head.safetensors", dtype=dt)
-    d = model.config.to_dict()
-    if dtype:
-        d["torch_dtype"] = str(dt).removeprefix("torch.")
-    (path / "config.json").write_text(json.dumps(d, indent=2))
 
 
 def read_draft_config(model: SpecOrPath) -> DraftConfig:

@@ -26,7 +26,7 @@ from typing import Any
 from dspark.checkpoint.io import LFS_POINTER_PREFIX, CheckpointError, Problem, TensorInfo, list_checkpoint_tensors
 from dspark.checkpoint.resolve import resolve_model_ref
 from dspark.config import ConfigError
-from dspark.models.families import Family, family_of
+from dspark.models.families import Family, family_of, model_type
 
 CONFIG_FILE = "config.json"
 
@@ -85,7 +85,7 @@ class ModelSpec:
         """The family's config dataclass (TargetConfig, GQATargetConfig, KimiLinearConfig or DraftConfig)."""
         if self.family is None:
             raise ConfigError(
-                f"{self.config_file}: model_type {self.raw.get('model_type')!r} has no native dspark family; only "
+                f"{self.config_file}: model_type {model_type(self.raw)!r} has no native dspark family; only "
                 "transformers serves it (dspark.models.hf_target)"
             )
         return self.family.config.from_dict(self.raw, source=str(self.config_file))
@@ -112,7 +112,7 @@ class ModelSpec:
         from transformers import CONFIG_MAPPING, PreTrainedConfig
 
         d = dict(self.raw)
-        config_class = CONFIG_MAPPING[d["model_type"]] if d.get("model_type") in CONFIG_MAPPING else None
+        config_class = CONFIG_MAPPING[model_type(d)] if model_type(d) in CONFIG_MAPPING else None
         try:
             config = (config_class or PreTrainedConfig).from_dict(d)
         except (ValueError, TypeError):

@@ -141,13 +141,14 @@ class MoE(nn.Module, Packable):
 
     def native_forward(self, flat: torch.Tensor) -> torch.Tensor | None:
         """The whole block (router, routed experts, latent projections, shared expert, sum) as one native call
-        (``moe_rows``, dspark/native/moe.cpp) for a few rows (≤ ``NATIVE_MOE_ROWS``: decode, verification) in
+        (``moe_rows``, dspark/native/moe.cpp) for any number of rows (decode, verification, prefill) in
         inference on stacked experts: ~100-460 eager ops per layer become one. Rows are computed alone (a row's
         result does not depend on the batch: speculation stays lossless); the result equals the module path up to
         the order of the GEMM sums (fp32) or bf16/fp16 rounding. None where it does not apply (then the module path
         runs): fp32 (see ``NATIVE_MOE_DTYPES``), no native build, grad mode, unstacked or quantized weights, mixed
         dtypes."""
-        if flat.shape[0] > NATIVE_MOE_ROWS or flat.dtype not in NATIVE_MOE_DTYPES or self.stacked_experts() is None:
+        too_many = NATIVE_MOE_ROWS is not None and flat.shape[0] > NATIVE_MOE_ROWS
+        if too_many or flat.dtype not in NATIVE_MOE_DTYPES or self.stacked_experts() is None:
             return None
         ops = native.inference_ops()
         cfg, dtype = self.gate.cfg, flat.dtype
@@ -238,7 +239,10 @@ class MoE(nn.Module, Packable):
         return stacked
 
 
-NATIVE_MOE_ROWS = 64  # MoE.native_forward up to this many rows; larger batches keep the batched GEMM paths
+# MoE.native_forward up to this many rows (None: any count). No cap by default: a larger batch taking another path
+# (batched GEMMs that sum in another order) would make a row's bf16 result depend on the batch it shares, and greedy
+# speculation then differs from plain decoding. A test may set a cap to exercise the module path.
+NATIVE_MOE_ROWS: int | None = None
 # ... in these dtypes: fp32 stays the bit-exact reference (the native sums run in another order; tests add fp32)
 NATIVE_MOE_DTYPES = (torch.bfloat16, torch.float16)
 

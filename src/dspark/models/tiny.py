@@ -10,8 +10,17 @@ from typing import Any, TypeVar
 
 import torch
 
-from dspark.config import RANDOM_WEIGHTS_KEY, DraftConfig, GQATargetConfig, KimiLinearConfig, RopeConfig, TargetConfig
+from dspark.config import (
+    RANDOM_WEIGHTS_KEY,
+    DraftConfig,
+    GQATargetConfig,
+    KimiLinearConfig,
+    RopeConfig,
+    TargetConfig,
+    gqa_header,
+)
 from dspark.models.drafter import DSparkDrafter
+from dspark.models.families import GQA_DRAFTER, KIMI_LINEAR, config_header
 from dspark.models.kimi_linear import KimiLinearTarget
 from dspark.models.llama import LlamaTarget
 from dspark.models.target import MLATarget
@@ -170,8 +179,7 @@ def tiny_gqa_config(model_type: str = "llama", vocab_size: int = 96, num_layers:
 
 def tiny_gqa_raw(model_type: str = "llama", vocab_size: int = 96, num_layers: int = 4) -> dict[str, Any]:
     """The config.json of ``tiny_gqa_config``."""
-    return {
-        "model_type": model_type,
+    return config_header(model_type) | {
         "vocab_size": vocab_size,
         "hidden_size": 32,
         "intermediate_size": 64,
@@ -192,9 +200,8 @@ def tiny_gqa_draft_config(
 ) -> DraftConfig:
     """A Qwen3DSparkModel drafter; with ``share_pages`` it has the target's KV geometry (one shared pool)."""
     return DraftConfig.from_dict(
-        {
-            "architectures": ["Qwen3DSparkModel"],
-            "model_type": "qwen3",
+        config_header("qwen3", GQA_DRAFTER)
+        | {
             "hidden_size": target.hidden_size,
             "intermediate_size": 48,
             "num_hidden_layers": 2,
@@ -233,7 +240,7 @@ def write_tiny_gqa_pair(directory: str | Path, seed: int = 0) -> tuple[Path, Pat
     def save(model: Any, path: Path) -> None:
         state = {k: v for k, v in model.state_dict().items() if not k.startswith("rotary.") and k != "lm_head.weight"}
         save_state_dict(state, path)
-        (path / "config.json").write_text(json.dumps(raw | {"architectures": ["LlamaForCausalLM"]}, indent=2))
+        (path / "config.json").write_text(json.dumps(raw | gqa_header("llama"), indent=2))
 
     return _save_pair(Path(directory), target, drafter, save)
 
@@ -248,7 +255,7 @@ def tiny_hybrid_config(k3: bool = True, vocab_size: int = 96, num_layers: int = 
     lac = {"num_heads": 2, "head_dim": 8, "short_conv_kernel_size": 4, "full_attn_layers": full}
     lac["kda_layers"] = [i for i in range(1, num_layers + 1) if i not in full]
     d = {
-        "model_type": "kimi_linear",
+        **config_header(KIMI_LINEAR.model_types[0]),
         "vocab_size": vocab_size,
         "hidden_size": 32,
         "intermediate_size": 64,

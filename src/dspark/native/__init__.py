@@ -110,7 +110,7 @@ def build_key() -> str:
 
 def build_dir() -> Path:
     """Where this source is built for this CPU, torch and Python (see the module doc)."""
-    from dspark.checkpoint.gguf import cache_root
+    from dspark.paths import cache_root
 
     return cache_root() / "native" / build_key()
 

@@ -53,68 +53,16 @@ struct Act {
   }
 };
 
-#if defined(DSPARK_DENSE512)
-// dense_rows' arithmetic (each output: one 16-lane FMA chain over k, then the lane reduction: bit for bit
-// dot_row), four weight rows at a time so four independent chains hide the FMA latency, every row alone
-template <WType T>
-void rows4(const DenseW& W, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy) {
-  const int64_t K = W.K, esize = T == WType::F32 ? 4 : 2, tail = K % 16;
-  const __mmask16 tm = static_cast<__mmask16>((1u << tail) - 1);
-  const auto* base = static_cast<const uint8_t*>(W.p);
-  int64_t n = 0;
-  for (; n + 4 <= W.N; n += 4) {
-    const void* w[4];
-    for (int i = 0; i < 4; ++i) w[i] = base + (n + i) * K * esize;
-    for (int64_t m = 0; m < M; ++m) {
-      const float* xm = x + m * ldx;
-      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      int64_t k = 0;
-      for (; k + 16 <= K; k += 16) {
-        const __m512 xv = _mm512_loadu_ps(xm + k);
-        a0 = _mm512_fmadd_ps(load16<T>(w[0], k, 0xFFFF), xv, a0);
-        a1 = _mm512_fmadd_ps(load16<T>(w[1], k, 0xFFFF), xv, a1);
-        a2 = _mm512_fmadd_ps(load16<T>(w[2], k, 0xFFFF), xv, a2);
-        a3 = _mm512_fmadd_ps(load16<T>(w[3], k, 0xFFFF), xv, a3);
-      }
-      if (tail) {
-        const __m512 xv = _mm512_maskz_loadu_ps(tm, xm + k);
-        a0 = _mm512_fmadd_ps(load16<T>(w[0], k, tm), xv, a0);
-        a1 = _mm512_fmadd_ps(load16<T>(w[1], k, tm), xv, a1);
-        a2 = _mm512_fmadd_ps(load16<T>(w[2], k, tm), xv, a2);
-        a3 = _mm512_fmadd_ps(load16<T>(w[3], k, tm), xv, a3);
-      }
-      float* ym = y + m * ldy + n;
-      ym[0] = _mm512_reduce_add_ps(a0), ym[1] = _mm512_reduce_add_ps(a1);
-      ym[2] = _mm512_reduce_add_ps(a2), ym[3] = _mm512_reduce_add_ps(a3);
-    }
-  }
-  for (; n < W.N; ++n)
-    for (int64_t m = 0; m < M; ++m) y[m * ldy + n] = dot_row<T>(base + n * K * esize, x + m * ldx, K);
-}
-#endif
-
-// dense_rows (dense.h), faster where AVX-512 allows: the same sums, bit for bit
-void dense(const DenseW& W, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy) {
-#if defined(DSPARK_DENSE512)
-  if (at::get_num_threads() == 1) {
-    if (W.t == WType::F32) return rows4<WType::F32>(W, x, M, ldx, y, ldy);
-    if (W.t == WType::BF16) return rows4<WType::BF16>(W, x, M, ldx, y, ldy);
-    return rows4<WType::F16>(W, x, M, ldx, y, ldy);
-  }
-#endif
-  dense_rows(W, x, M, ldx, y, ldy);
-}
-
 // y[M, out] = T(down · act(T(gate_up · x))) for M rows x [M, in] (gate_up [2I, in], down [out, I])
 void glu_rows(const DenseW& gate_up, const DenseW& down, const float* x, int64_t M, const Act& act, float* y,
               std::vector<float>& gu, std::vector<float>& h) {
   const int64_t I = gate_up.N / 2;
   gu.resize(M * 2 * I);
   h.resize(M * I);
-  dense(gate_up, x, M, gate_up.K, gu.data(), 2 * I);
+  dense_rows(gate_up, x, M, gate_up.K, gu.data(), 2 * I);
   round_all(gu.data(), M * 2 * I, act.t);
   for (int64_t m = 0; m < M; ++m) act(gu.data() + m * 2 * I, gu.data() + m * 2 * I + I, h.data() + m * I, I);
-  dense(down, h.data(), M, I, y, down.N);
+  dense_rows(down, h.data(), M, I, y, down.N);
   round_all(y, M * down.N, act.t);
 }
 
@@ -230,7 +178,7 @@ at::Tensor moe_rows(const at::Tensor& x_in, const at::Tensor& router, const OptT
     const at::Tensor x32 = t == WType::F32 ? x : x.to(at::kFloat);
     std::memcpy(xf.data(), x32.data_ptr<float>(), sizeof(float) * N * D);
   }
-  dense(dense_of(router, "moe_rows: router"), xf.data(), N, D, logits.data(), E);
+  dense_rows(dense_of(router, "moe_rows: router"), xf.data(), N, D, logits.data(), E);
   const Router route{E,       top_k,     n_group, topk_group, group_mode, softmax, norm_topk, float(scaling),
                      bias ? bias->data_ptr<float>() : nullptr};
   for (int64_t m = 0; m < N; ++m) route(logits.data() + m * E, idx.data() + m * top_k, wts.data() + m * top_k);
@@ -239,7 +187,7 @@ at::Tensor moe_rows(const at::Tensor& x_in, const at::Tensor& router, const OptT
   std::vector<float> lat;
   if (latent) {
     lat.resize(N * W);
-    dense(ldown, xf.data(), N, D, lat.data(), W);
+    dense_rows(ldown, xf.data(), N, D, lat.data(), W);
     round_all(lat.data(), N * W, t);
   }
   const float* inp = latent ? lat.data() : xf.data();
@@ -281,7 +229,7 @@ at::Tensor moe_rows(const at::Tensor& x_in, const at::Tensor& router, const OptT
       for (int64_t j = 0; j < W; ++j) a[j] = round_as(nw[j] * round_as(a[j] * inv, t), t);
     }
     out_f.resize(N * D);
-    dense(lup, acc.data(), N, W, out_f.data(), D);
+    dense_rows(lup, acc.data(), N, W, out_f.data(), D);
     round_all(out_f.data(), N * D, t);
     routed = out_f.data();
   }

@@ -11,11 +11,13 @@ from typing import TYPE_CHECKING
 
 from dspark.cli_common import (
     add_kv_offload_args,
+    add_model_arg,
     add_precision_args,
     add_prefix_caching_arg,
+    add_seed_arg,
+    add_speculative_config_arg,
     add_threads_arg,
     apply_threads,
-    json_object,
     kv_offload_kwargs,
 )
 from dspark.config import ConfigError, EngineConfig
@@ -129,14 +131,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="target: a model dir, a .gguf file or a hub id org/name[@rev] in the local HF/ModelScope cache "
         "(as `vllm serve MODEL`; default: the bundled kimi-k3-mini pair; k3-mini for the DeepSeek-V3-shaped one)",
     )
-    p.add_argument("--model", default=None, help="the same as MODEL (kept for scripts)")
-    p.add_argument(
-        "--speculative-config",
-        type=json_object,
-        default=None,
-        help='vLLM-style JSON or @file, e.g. \'{"method": "dspark"}\'; "model" takes a drafter dir, a bundled drafter '
-        "name (kimi-k3-mini-dspark, ...) or a hub id",
-    )
+    add_model_arg(p, help="the same as MODEL (kept for scripts)")
+    add_speculative_config_arg(p)
     p.add_argument("--no-spec", action="store_true", help="serve without speculative decoding")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
     p.add_argument("--port", type=int, default=8000)
@@ -158,7 +154,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-waiting", type=int, default=d.max_waiting, help="queued requests before answering 503")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--num-pages", type=int, default=None, help="KV cache pages (default: sized for max-num-seqs)")
-    p.add_argument("--seed", type=int, default=d.seed)
+    add_seed_arg(p, d.seed)
     add_prefix_caching_arg(p)
     add_kv_offload_args(p)
     add_precision_args(p)

@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 
 import httpx
 
+from dspark.cli_common import add_max_tokens_arg
+
 DEFAULT_PROMPTS = (
     "The quick brown fox",
     "def fibonacci(n):\n",
@@ -177,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=64)
+    add_max_tokens_arg(p, 64)
     p.add_argument("--api-key", default=None)
     args = p.parse_args(argv)
     for c in args.concurrency:

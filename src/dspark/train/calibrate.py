@@ -8,13 +8,18 @@ per position against the survival labels 1[accepted >= k] (DSpark §3.2.1).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from dspark.cli_common import add_precision_args
+from dspark.cli_common import (
+    add_max_tokens_arg,
+    add_model_arg,
+    add_precision_args,
+    add_seed_arg,
+    add_speculative_config_arg,
+)
 from dspark.engine.engine import Engine
 from dspark.sampling_params import SamplingParams
 from dspark.spec.schedule import calibrate, calibration_report, fit_sts, save_sts, survival
@@ -160,8 +165,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from dspark.llm import build_engine
 
     model, demo = model_or_demo(args.model)
-    spec_text = default_spec(args, model if demo else None) or json.dumps({"method": "dspark"})
-    spec = SpeculativeConfig.parse(spec_text)
+    spec = SpeculativeConfig.parse(default_spec(args, model if demo else None) or {"method": "dspark"})
     assert spec is not None
     # the full block is verified, every step drafts
     spec = replace(spec, enable_adaptive_verification=False, speculation_guard=False)
@@ -232,9 +236,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--dataset", required=True, help="JSONL prompts (held out from draft training)")
     p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--model", default=None, help="target model dir (default: the bundled kimi-k3-mini pair)")
-    p.add_argument("--speculative-config", default=None, help='JSON or @file, e.g. \'{"method": "dspark"}\'')
+    add_max_tokens_arg(p, 128)
+    add_model_arg(p)
+    add_speculative_config_arg(p)
     p.add_argument(
         "--output",
         default=None,
@@ -243,7 +247,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write a reliability diagram")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; match serving (default 0)")
     p.add_argument("--bins", type=int, default=20, help="ECE bins (default 20)")
-    p.add_argument("--seed", type=int, default=0)
+    add_seed_arg(p, 0)
     p.add_argument("--max-num-seqs", type=int, default=16, help="decode batch size")
     add_precision_args(p)
     p.set_defaults(func=cmd_calibrate, no_spec=False)

@@ -26,6 +26,8 @@ from dspark.cli_common import (
     TINY_DRAFT_DIR,
     TINY_TARGET_DIR,
     add_device_arg,
+    add_seed_arg,
+    add_threads_arg,
     float_list,
     int_list,
     require_tiny,
@@ -87,7 +89,7 @@ def add_draft_data(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None, help="engine batch (32)")
     p.add_argument("--dtype", default=None, choices=DTYPES, help="engine dtype (default bfloat16)")
-    p.add_argument("--seed", type=int, default=None)
+    add_seed_arg(p)
     p.add_argument("--max-minutes", type=float, default=None, help="stop early, keeping what was generated")
     p.add_argument(
         "--tiny", action="store_true", help=f"the smoke path: the tiny target's data in {TINY_DRAFT_DATA} (seconds)"
@@ -139,10 +141,10 @@ def add_chat_data(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--batch-size", type=int, default=None, help="prompts per generate call (32)")
     p.add_argument("--dtype", default=None, help="generation dtype (bfloat16)")
-    p.add_argument("--seed", type=int, default=None)
+    add_seed_arg(p)
     p.add_argument("--shard", dest="shard_spec", type=_shard_spec, default=None, help="K/N: this process's share")
     p.add_argument("--max-minutes", type=float, default=None, help="stop starting training batches after this")
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads (1)")
+    add_threads_arg(p, dest="num_threads", help="torch threads (1)")
     p.add_argument("--merge", type=int, default=None, metavar="N", help="merge shard-0..N-1 of --out-dir")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_chat_data)
@@ -240,7 +242,6 @@ _TRAIN_FLAGS = {
     "--max-train-tokens": ("max_train_tokens", int, "the horizon in training tokens (a resumed run may raise it)"),
     "--epochs": ("epochs", float, "epochs (sets --max-steps when that is not given)"),
     "--max-minutes": ("max_minutes", float, "wall-clock budget; alone, it also sets the steps from the measured speed"),
-    "--seed": ("seed", int, "seed (42)"),
     "--eval-interval": ("eval_interval", int, "steps between held-out evaluations (200)"),
     "--eval-max-samples": ("eval_max_samples", int, "cap on held-out samples"),
     "--eval-num-anchors": ("eval_num_anchors", int, "anchors per held-out sample (512)"),
@@ -249,7 +250,6 @@ _TRAIN_FLAGS = {
     "--ckpt-interval": ("ckpt_interval", int, "steps between checkpoints (200)"),
     "--log-interval": ("log_interval", int, "steps between log lines (10)"),
     "--halt-at-step": ("halt_at_step", int, "stop after this step without exporting (as if interrupted)"),
-    "--num-threads": ("num_threads", int, "torch threads per process"),
     "--draft-vocab": ("draft_vocab", str, "train over a reduced vocabulary: a draft_vocab.json or a dir with one"),
     "--draft-vocab-size": ("draft_vocab_size", int, "its first N ids (default: the file's default_size)"),
     "--init-layers-from-target": (
@@ -260,6 +260,7 @@ _TRAIN_FLAGS = {
     "--init-from": ("init_from", str, "warm start from an earlier run (its out dir, last.pt or export dir)"),
 }
 
+_TRAIN_FIELDS = (*(fld for fld, _, _ in _TRAIN_FLAGS.values()), "seed", "num_threads")  # what a run may override
 
 # train-draft --tiny: a few steps of a small drafter on draft-data --tiny's data (seconds)
 _TINY_TRAIN = {
@@ -272,7 +273,7 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
     from dspark.train.draft_config import DraftTrainConfig
     from dspark.train.trainer import train_draft
 
-    overrides = {fld: getattr(args, fld) for fld, _, _ in _TRAIN_FLAGS.values() if getattr(args, fld) is not None}
+    overrides = {fld: getattr(args, fld) for fld in _TRAIN_FIELDS if getattr(args, fld) is not None}
     if args.dflash:
         overrides["dflash"] = True
         overrides.setdefault("out_dir", "runs/dflash")
@@ -319,8 +320,8 @@ def run_state(name: str, overrides: dict) -> bool:
     """``--run NAME``: the run's state lives in $DSPARK_CACHE/runs/NAME. When its checkpoint is there the run
     resumes (→ True); otherwise it starts fresh, warm-started from the drafter shipped for the target (its shape
     flags taken from that drafter unless given) when there is one and no --init-from. Edits ``overrides``."""
-    from dspark.checkpoint.gguf import cache_root
     from dspark.checkpoint.resolve import bundled_drafters
+    from dspark.paths import cache_root
     from dspark.train.checkpoint import checkpoint_path
 
     if not name or "/" in name or name.startswith("."):
@@ -357,6 +358,8 @@ def add_train_draft(sub: argparse._SubParsersAction) -> None:
     )
     for flag, (fld, typ, text) in _TRAIN_FLAGS.items():
         p.add_argument(flag, dest=fld, type=typ, default=None, help=text)
+    add_seed_arg(p, help="seed (42)")
+    add_threads_arg(p, dest="num_threads", help="torch threads per process")
     p.add_argument("--dflash", action="store_true", help="DFlash baseline: markov_rank 0, no confidence, CE only")
     p.add_argument("--no-autocast", action="store_true", help="fp32 forward (default: bf16 autocast)")
     add_device_arg(p)

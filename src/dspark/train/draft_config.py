@@ -4,14 +4,15 @@ change on resume) and the drafter shape it implies for a target (``draft_config_
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from dspark.config import DraftConfig, GQATargetConfig, KimiLinearConfig, TargetConfig
+from dspark.config import DraftConfig, GQATargetConfig, KimiLinearConfig, SpeculativeConfig, TargetConfig
 from dspark.device import DEVICES
+from dspark.models.families import family_of
 from dspark.train.loss import LossWeights
 
 MASK_ID = 3  # dspark.train.tokenizer: <|mask|>
@@ -36,62 +37,37 @@ def draft_config_for(
     confidence: bool = True,
     taps: Sequence[int] | None = None,
     num_taps: int = 4,
-    block_size: int = 7,
+    block_size: int = SpeculativeConfig.num_speculative_tokens,  # K: the drafter is trained for the engine's default
     mask_token_id: int = MASK_ID,
     intermediate_size: int | None = None,
 ) -> DraftConfig:
-    """A drafter for ``target`` that shares its page format: k3_dspark (MLA widths) for an MLA target, DeepSpec's
-    Qwen3DSparkModel (the target's KV heads and head_dim) for a GQA target; its hidden size, RoPE and special ids;
-    ``num_layers`` layers; taps spread over the target depth. A hybrid (kimi_linear) target gets the MLA drafter
-    of its MLA layers' widths with RoPE (K3's drafter rotates, its target does not) and no output gate, reading
-    the target's default tap stream (K3: "prefix")."""
-    if isinstance(target, KimiLinearConfig):
-        target = replace(target.base, mla_use_nope=False, mla_use_output_gate=False)
+    """A drafter for ``target`` that shares its page format, shaped by the target's family
+    (``dspark.models.families``, ``Family.drafter``): k3_dspark (MLA widths) for an MLA target, DeepSpec's
+    Qwen3DSparkModel (the target's KV heads and head_dim) for a GQA target, the MLA drafter of its MLA layers'
+    widths with RoPE and no output gate for a hybrid (kimi_linear) target; its hidden size, RoPE and special ids;
+    ``num_layers`` layers; taps spread over the target depth (a hybrid's drafter reads the target's default tap
+    stream, K3: "prefix")."""
+    family = family_of(target)
+    if family is None or family.drafter is None:
+        raise ValueError(f"{type(target).__name__}: no drafter shape for this target (not a native target family)")
     tap_ids = tuple(taps) if taps is not None else spread_taps(target.num_hidden_layers, num_taps)
     if tap_ids and tap_ids[-1] >= target.num_hidden_layers - 1 and target.num_hidden_layers > 1:
         raise ValueError(
             f"target_layer_ids {list(tap_ids)} include the target's last layer {target.num_hidden_layers - 1}; "
             "its output is the pre-norm final state the drafter must not see — pick earlier layers"
         )
-    if isinstance(target, GQATargetConfig):
-        geometry: dict[str, Any] = {
-            "architecture": "Qwen3DSparkModel",
-            "num_key_value_heads": target.num_key_value_heads,
-            "head_dim": target.head_dim,
-        }
-    else:
-        geometry = {
-            "architecture": "K3DSparkModel",
-            "q_lora_rank": target.q_lora_rank,
-            "kv_lora_rank": target.kv_lora_rank,
-            "qk_nope_head_dim": target.qk_nope_head_dim,
-            "qk_rope_head_dim": target.qk_rope_head_dim,
-            "v_head_dim": target.v_head_dim,
-            "mla_use_nope": target.mla_use_nope,
-            "mla_use_output_gate": target.mla_use_output_gate,
-        }
+    shape = family.drafter(target)
+    shape["intermediate_size"] = intermediate_size or shape["intermediate_size"]
     return DraftConfig(
-        **geometry,
-        hidden_size=target.hidden_size,
-        intermediate_size=intermediate_size or target.intermediate_size,
+        **shape,
         num_hidden_layers=num_layers,
-        num_attention_heads=target.num_attention_heads,
-        vocab_size=target.vocab_size,
         target_layer_ids=tap_ids,
-        target_hidden_size=target.hidden_size,
-        target_num_hidden_layers=target.num_hidden_layers,
         mask_token_id=mask_token_id,
-        rope=target.rope,
-        max_position_embeddings=target.max_position_embeddings,
         markov_rank=markov_rank,
         markov_head_type=markov_head_type,
         enable_confidence_head=confidence,
         confidence_head_with_markov=True,
         block_size=block_size,
-        rms_norm_eps=target.rms_norm_eps,
-        bos_token_id=target.bos_token_id,
-        eos_token_id=target.eos_token_id,
-        pad_token_id=target.pad_token_id,
         torch_dtype="bfloat16",
     )
 
@@ -114,7 +90,7 @@ class DraftTrainConfig:
     confidence_head: bool = True
     target_layer_ids: tuple[int, ...] | None = None  # None: spread_taps(target depth, num_taps)
     num_taps: int = 4
-    block_size: int = 7
+    block_size: int = SpeculativeConfig.num_speculative_tokens
     mask_token_id: int = MASK_ID
     intermediate_size: int | None = None  # None: the target's
     init_std: float = 0.02

@@ -31,6 +31,8 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
+from dspark.cli_common import add_seed_arg
+
 TRAIN_FILE = "instructions_train.jsonl"
 HELDOUT_FILES = {"code": "heldout_code.jsonl", "math": "heldout_math.jsonl", "chat": "heldout_chat.jsonl"}
 
@@ -313,7 +315,7 @@ def write_all(out_dir: str | Path, seed: int = 0) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="src/dspark/assets/prompts", help="output directory")
-    p.add_argument("--seed", type=int, default=0)
+    add_seed_arg(p, 0)
     args = p.parse_args(argv)
     for name, n in write_all(args.out, args.seed).items():
         print(f"{name}: {n} prompts")

