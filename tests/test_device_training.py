@@ -108,7 +108,7 @@ def test_padded_features_equal_the_per_row_form(pair) -> None:
 
 # ---- the device recipe: payload transport, prompts as ids, the dry run ---------------------------------------------
 
-BLOCKER = '''
+BLOCKER = """
 import importlib.abc, sys
 BLOCKED = {"fastapi", "uvicorn", "pydantic", "prometheus_client", "httpx", "schemathesis", "gguf", "openai"}
 class Block(importlib.abc.MetaPathFinder):
@@ -116,7 +116,7 @@ class Block(importlib.abc.MetaPathFinder):
         if name.split(".")[0] in BLOCKED:
             raise ModuleNotFoundError(f"{name} is not on the device machine")
 sys.meta_path.insert(0, Block())
-'''
+"""
 
 
 def test_pack_travels_in_chunks_and_unpacks_verified(tmp_path) -> None:

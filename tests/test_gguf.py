@@ -66,8 +66,6 @@ def test_dequantize_matches_gguf_reference(tmp_path):
     assert seen == {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"}
 
 
-
-
 CASES = {
     "llama": (LlamaForCausalLM, LlamaConfig, {"tie_word_embeddings": True}),
     "qwen2": (Qwen2ForCausalLM, Qwen2Config, {"tie_word_embeddings": False}),

@@ -62,8 +62,17 @@ def test_the_method_runs_one_process_per_prompt_with_our_settings(tmp_path) -> N
         json.dumps(
             {
                 "version": "1.0",
-                "added_tokens": [{"id": 0, "content": "<|im_start|>", "single_word": False, "lstrip": False,
-                                  "rstrip": False, "normalized": False, "special": True}],
+                "added_tokens": [
+                    {
+                        "id": 0,
+                        "content": "<|im_start|>",
+                        "single_word": False,
+                        "lstrip": False,
+                        "rstrip": False,
+                        "normalized": False,
+                        "special": True,
+                    }
+                ],
                 "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "a"},
             }
         )

@@ -97,6 +97,31 @@ def test_deployment_limits_carry_their_codes(server):
     assert set(codes) <= DEPLOYMENT_LIMIT_CODES
 
 
+def test_openapi_states_the_served_models_limits(server, openapi):
+    url, engine = server
+    defs = openapi["components"]["schemas"]
+    prompt = defs["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+    ids, batch = prompt[2], prompt[3]
+    vocab = engine.target.config.vocab_size
+    assert ids["items"] == {"type": "integer", "minimum": 0, "maximum": vocab - 1} and ids["maxItems"] == 19
+    assert batch["items"]["items"]["maximum"] == vocab - 1
+    assert defs["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] == vocab - 1
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        assert defs[name]["properties"]["max_tokens"]["anyOf"][0]["maximum"] == MAX_MODEL_LEN - 1
+    roles = defs["ChatMessage"]["properties"]["role"]["enum"]
+    assert roles == ["system", "user", "assistant", "developer"]  # the template renders user / assistant
+    assert "x-dspark" not in str(openapi)  # every marker was replaced
+
+
+def test_system_messages_the_template_refuses_are_folded_into_the_first_user_turn(server):
+    url, engine = server
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    got = httpx.post(f"{url}/tokenize", json={"messages": chat}).json()["tokens"]
+    assert got == engine.tokenizer.encode_chat([{"role": "user", "content": "be brief\n\nhi"}])
+    alone = httpx.post(f"{url}/tokenize", json={"messages": chat[:1]}).json()["tokens"]
+    assert alone == engine.tokenizer.encode_chat([{"role": "user", "content": "be brief"}])
+
+
 def test_tokenize_kinds_encode_as_the_generation_routes(server):
     url, engine = server
     chat = httpx.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()

@@ -16,7 +16,7 @@ DEVICES = ("auto", "cpu", "cuda")
 
 
 def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
-    """"auto" | "cpu" | "cuda" | "cuda:N" → a torch.device this process can use; a CUDA device also turns the native
+    """ "auto" | "cpu" | "cuda" | "cuda:N" → a torch.device this process can use; a CUDA device also turns the native
     CPU kernels off for the process. Raises ValueError naming the value and the fix."""
     if isinstance(name, torch.device):
         name = str(name)

@@ -4,11 +4,14 @@ refused where it enters (HTTP 400, ``ValueError`` from ``LLM.generate``, a CLI e
 
 Logits processing (``logit_bias``, ``min_tokens``, then the repetition / frequency / presence penalties, vLLM's
 names and order) changes the distribution that is sampled and that verification accepts against; ``logprobs`` and
-``prompt_logprobs`` report the model's raw distribution (log-softmax of the logits, before any processing)."""
+``prompt_logprobs`` report the model's raw distribution (log-softmax of the logits, before any processing).
+``structured`` constrains the output to a JSON schema, a regex, a choice or a grammar (a mask on the same
+distribution; ``spec/grammar.py``)."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from dataclasses import dataclass, field, replace
 
@@ -45,6 +48,54 @@ def _as_tuple(name: str, value: object) -> tuple:
     return tuple(value)
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must match (vLLM's ``StructuredOutputsParams``): exactly one of ``json`` (a JSON schema, as
+    a dict or its JSON text), ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these strings) or
+    ``grammar`` (Lark, or GBNF / EBNF with ``::=`` rules). ``json`` is kept as JSON text (property order kept: it
+    is the order the output follows)."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", json.dumps(self.json))
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise _bad("structured", given, f"give exactly one of {', '.join(STRUCTURED_KINDS)}")
+        self._check_values()
+
+    def _check_values(self) -> None:
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise _bad(f"structured.{name}", value, "must be a non-empty string")
+        if self.json is not None and not isinstance(_json_object(self.json), dict):
+            raise _bad("structured.json", self.json, "must be a JSON schema: an object, or its JSON text")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise _bad("structured.choice", self.choice, "must be a non-empty list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+
+def _json_object(text: object) -> object:
+    try:
+        return json.loads(text) if isinstance(text, str) else None
+    except ValueError:
+        return None
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
@@ -63,6 +114,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict, hash=False)
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are generated
+    structured: StructuredOutput | None = None  # the output matches this schema / regex / choice / grammar
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -121,6 +173,10 @@ class SamplingParams:
                 dict(bad[:1]),
                 f"keys must be token ids >= 0, values in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
             )
+        if isinstance(self.structured, dict):  # asdict() of one (a P/D payload's header)
+            object.__setattr__(self, "structured", StructuredOutput(**self.structured))
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise _bad("structured", self.structured, "must be a StructuredOutput")
 
     @property
     def processes_logits(self) -> bool:
@@ -131,6 +187,7 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
             or self.min_tokens
             or any(self.logit_bias.values())
+            or self.structured is not None
         )
 
     @property

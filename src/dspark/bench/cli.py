@@ -92,6 +92,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
+        json_object=args.json_object,
         warmup=not args.no_warmup,
         vllm_python=args.vllm_python,
         vllm_kv_space_gib=args.vllm_kv_space,
@@ -208,6 +209,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_seed_arg(p, 0)
     add_threads_arg(p, dest="num_threads")
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens per prompt")
+    p.add_argument(
+        "--json-object",
+        action="store_true",
+        help="constrain every output to a JSON object (structured outputs; our engines only); the table's "
+        "grammar ms/step is what the grammar masks cost per decode step",
+    )
     p.add_argument("--no-warmup", action="store_true", help="skip the one short warm-up call per method")
     _add_peer_args(p)
     p.add_argument(

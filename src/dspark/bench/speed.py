@@ -38,7 +38,7 @@ from dspark.engine.metrics import DecodeTimes, tau_bound
 from dspark.models.families import family_of
 from dspark.models.loading import read_draft_config
 from dspark.models.spec import one_read_per_model
-from dspark.sampling_params import SamplingParams
+from dspark.sampling_params import SamplingParams, StructuredOutput
 
 AR = "ar"
 ENGINE_METHODS = (
@@ -88,6 +88,7 @@ RESULT_KEYS = (
     "verify_rate",
     "tau_bound",
     "decode_speedup_vs_ar",
+    "grammar_ms_per_step",
 )
 
 
@@ -111,6 +112,8 @@ class BenchRow:
     tau_bound: float | None = None  # τ · t_AR_step / (t_draft + t_verify) from this cell's measured costs
     # measured decode-phase speed-up (prefill excluded): decode tokens per decode second over AR's; our engine only
     decode_speedup_vs_ar: float | None = None
+    # --json-object: the grammar masks' share of a decode step (every verified row masked), our engine only
+    grammar_ms_per_step: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -189,6 +192,7 @@ def rows_from_measurements(parts: dict[str, list[Measurement]], cell: Cell) -> l
                 verify_rate=counters.verify_rate if counters else None,
                 tau_bound=bound,
                 decode_speedup_vs_ar=rate_d / ar_decode_rate if rate_d and ar_decode_rate else None,
+                grammar_ms_per_step=1e3 * decode.grammar_s / decode.steps if decode and decode.grammar_s else None,
             )
         )
     return rows
@@ -235,6 +239,7 @@ class BenchConfig:
     enable_prefix_caching: bool = CacheConfig.enable_prefix_caching  # our engines (warm-up prompts then hit the cache)
     seed: int = 0
     ignore_eos: bool = False
+    json_object: bool = False  # every output constrained to a JSON object (our engines only: the peers are skipped)
     warmup: bool = True
     vllm_python: str | None = None  # python of a vLLM environment: adds vllm, vllm-ngram (and our ngram)
     vllm_kv_space_gib: int | None = None  # VLLM_CPU_KVCACHE_SPACE (None: the environment's, else 1 GiB)
@@ -322,10 +327,16 @@ def method_names(cfg: BenchConfig, res: Resolved, notes: list[str]) -> list[str]
     else:
         notes.append("dspark: skipped (no drafter for this target; pass --draft DIR)")
     listed = list(cfg.baselines) if cfg.baselines is not None else _applicable(cfg, res, notes)
-    if cfg.vllm_python:
+    if cfg.json_object:
+        peers = [n for n in listed if n not in ENGINE_METHODS]
+        notes += [f"{', '.join(peers)}: skipped (--json-object: structured outputs run on our engine only)"] * bool(
+            peers
+        )
+        listed = [n for n in listed if n in ENGINE_METHODS]
+    if cfg.vllm_python and not cfg.json_object:
         vllm = not _peer_cannot_run(res.target_dir, "vLLM's CPU build", notes, VLLM_METHODS)
         listed += ["ngram"] + ([*VLLM_METHODS] if vllm else [])
-    if cfg.llama_cpp_bin:
+    if cfg.llama_cpp_bin and not cfg.json_object:
         from dspark.checkpoint.gguf import gguf_source
 
         if gguf_source(res.target_dir) is None:
@@ -488,6 +499,7 @@ def _report_config(cfg: BenchConfig, res: Resolved, k: int, num_prompts: int, la
         "seed": cfg.seed,
         "enable_prefix_caching": cfg.enable_prefix_caching,
         "ignore_eos": cfg.ignore_eos,
+        "json_object": cfg.json_object,
         "interleaving": "round-robin over batches, start method rotated per batch; each vLLM method afterwards, "
         "alone (our engines freed, one vLLM instance at a time)",
     }
@@ -610,7 +622,8 @@ def _run_phase(methods: list[Method], cells: list[Cell], cfg: BenchConfig, notes
 
     plan = [(cell, _active(methods, cell, notes)) for cell in cells]
     total = sum(len(a) * math.ceil(len(c.prompts) / c.concurrency) for c, a in plan)
-    params = SamplingParams(max_tokens=cfg.max_tokens, ignore_eos=cfg.ignore_eos)
+    structured = StructuredOutput(json_object=True) if cfg.json_object else None
+    params = SamplingParams(max_tokens=cfg.max_tokens, ignore_eos=cfg.ignore_eos, structured=structured)
     out: list[Parts] = []
     with tqdm(total=total, unit="batch", disable=not cfg.progress, dynamic_ncols=True) as bar:
         if cfg.warmup and cells:
@@ -653,6 +666,8 @@ def markdown_table(rows: Sequence[BenchRow], max_positions: int = 8) -> str:
         "| verify rate "
         "| per-position acceptance |"
     )
+    masked = any(r.grammar_ms_per_step is not None for r in rows)
+    head += " grammar ms/step |" if masked else ""
     lines = [head, "|---" * (head.count("|") - 1) + "|"]
     for r in rows:
         pos = r.per_position_acceptance
@@ -664,5 +679,6 @@ def markdown_table(rows: Sequence[BenchRow], max_positions: int = 8) -> str:
             f"| {_fmt(r.tau_bound, '.2f')}{'x' if r.tau_bound else ''} "
             f"| {_fmt(r.acceptance_length, '.2f')} "
             f"| {_fmt(r.verify_rate, '.2f')} | {pos_s} |"
+            + (f" {_fmt(r.grammar_ms_per_step, '.3f')} |" if masked else "")
         )
     return "\n".join(lines)

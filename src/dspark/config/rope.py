@@ -130,4 +130,3 @@ def attention_scale(qk_head_dim: int, rope: RopeConfig) -> float:
         m = yarn_get_mscale(rope.factor, rope.mscale_all_dim)
         scale *= m * m
     return scale
-

@@ -36,6 +36,7 @@ from dspark.profiling import scope
 from dspark.sampling_params import SamplingParams
 from dspark.spec.accept import accept, sample_next
 from dspark.spec.draft_vocab import DraftVocab, read_draft_vocab
+from dspark.spec.grammar import GrammarCompiler, GrammarError, GrammarMatcher, grammar_masks
 from dspark.spec.guard import SpeculationGuard
 from dspark.spec.logprobs import TokenLogprobs, token_logprobs
 from dspark.spec.processing import process
@@ -220,6 +221,7 @@ class Engine:
         self.guard = SpeculationGuard() if self.spec is not None and self.spec.speculation_guard else None
         self.precision: Precision | None = None  # dtype and weight format chosen by build_engines, and why
         self.requests: dict[str, Request] = {}
+        self._grammars: GrammarCompiler | None = None  # built on the first structured-output request
         self._ids = itertools.count()
         self._updated: list[Request] = []
 
@@ -285,11 +287,25 @@ class Engine:
         if rid in self.requests:
             raise EngineError(f"request id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else zlib.crc32(f"{self.cfg.seed}:{rid}".encode())
-        req = Request(rid, ids, params, seed, detok=self.tokenizer.detokenizer())
+        req = Request(rid, ids, params, seed, detok=self.tokenizer.detokenizer(), grammar=self.grammar_matcher(params))
         self.requests[rid] = req
         self.scheduler.add(req)
         self.metrics.prompt_tokens += len(ids)
         return req
+
+    def grammar_matcher(self, params: SamplingParams) -> GrammarMatcher | None:
+        """The grammar state of a structured-output request (None without one); a schema, regex or grammar that
+        does not compile is an EngineError naming it."""
+        if params.structured is None:
+            return None
+        try:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.target.config.vocab_size, self.eos_ids)
+            return self._grammars.matcher(params.structured)
+        except (GrammarError, ValueError) as e:
+            raise EngineError(str(e)) from None
+        except ImportError as e:
+            raise EngineError(f"structured outputs need llguidance ({e}); pip install 'llguidance==1.9.1'") from None
 
     def abort(self, request_id: str) -> None:
         req = self.requests.get(request_id)
@@ -376,7 +392,7 @@ class Engine:
 
     # ---- phases ------------------------------------------------------------------------------------------
     def _decode(self, decodes: list[Request]) -> None:
-        t0 = time.perf_counter()
+        t0, g0 = time.perf_counter(), self.metrics.grammar_s
         with scope("step.metadata"):
             sampling = self.runner.sampling_tensors(decodes, self.K + 1)
         allowed = self._may_draft(len(decodes))
@@ -390,7 +406,7 @@ class Engine:
         t2 = time.perf_counter()
         emitted = self._accept_and_commit(decodes, proposal, lengths, logits, sampling)
         t3 = time.perf_counter()
-        self.metrics.decode = self.metrics.decode.plus(t1 - t0, t2 - t1, t3 - t0)
+        self.metrics.decode = self.metrics.decode.plus(t1 - t0, t2 - t1, t3 - t0, self.metrics.grammar_s - g0)
         if guarded:
             self.guard.observe(len(decodes), drafting, emitted, t3 - t0)
 
@@ -489,7 +505,7 @@ class Engine:
     ) -> int:
         """Accept, commit, and return the tokens the step emitted (accepted drafts + one per request)."""
         with scope("step.accept"):
-            processed = self._processed(reqs, logits, proposal.tokens if proposal is not None else None)
+            processed = self._processed(reqs, logits, proposal.tokens if proposal is not None else None, lengths)
             if proposal is None:
                 accepted = [0] * len(reqs)
                 nxt = sample_next(processed[:, 0], sampling).tolist()
@@ -503,10 +519,19 @@ class Engine:
             self._commit(reqs, proposal, lengths, accepted, nxt, logits)
         return sum(accepted) + len(reqs)
 
-    def _processed(self, reqs: list[Request], logits: torch.Tensor, drafts: torch.Tensor | None) -> torch.Tensor:
+    def _processed(
+        self, reqs: list[Request], logits: torch.Tensor, drafts: torch.Tensor | None, lengths: list[int] | None = None
+    ) -> torch.Tensor:
         """The distributions sampling and verification use: logits [B, T, V] of a round after each request's
-        logit_bias / min_tokens / penalties (spec/processing.py; row j counts d_1..d_j as generated)."""
-        pt = self.runner.processing_tensors(reqs, logits.shape[-1], self.eos_ids)
+        logit_bias / min_tokens / penalties / grammar (spec/processing.py; row j counts d_1..d_j as generated, and
+        its grammar state is the one after d_1..d_j; ``lengths``: the drafts verified per request)."""
+        verified = None
+        if drafts is not None and lengths is not None:
+            verified = [drafts[i, :ell].tolist() for i, ell in enumerate(lengths)]
+        t0 = time.perf_counter()
+        allowed = grammar_masks(reqs, logits.shape[1], verified, logits.shape[-1])
+        self.metrics.grammar_s += time.perf_counter() - t0 if allowed is not None else 0.0
+        pt = self.runner.processing_tensors(reqs, logits.shape[-1], self.eos_ids, allowed)
         return logits if pt is None else process(logits, pt, drafts)
 
     @staticmethod

@@ -90,18 +90,21 @@ class DecodeTimes:
     propose_s: float = 0.0
     verify_s: float = 0.0
     total_s: float = 0.0  # propose + verify + acceptance + commit
+    grammar_s: float = 0.0  # of total_s: structured outputs' grammar masks (spec/grammar.py)
 
-    def plus(self, propose_s: float, verify_s: float, total_s: float) -> DecodeTimes:
-        return DecodeTimes(self.steps + 1, self.propose_s + propose_s, self.verify_s + verify_s, self.total_s + total_s)
+    def plus(self, propose_s: float, verify_s: float, total_s: float, grammar_s: float = 0.0) -> DecodeTimes:
+        return self + DecodeTimes(1, propose_s, verify_s, total_s, grammar_s)
 
     def __sub__(self, o: DecodeTimes) -> DecodeTimes:
-        return DecodeTimes(
-            self.steps - o.steps, self.propose_s - o.propose_s, self.verify_s - o.verify_s, self.total_s - o.total_s
-        )
+        return self + DecodeTimes(-o.steps, -o.propose_s, -o.verify_s, -o.total_s, -o.grammar_s)
 
     def __add__(self, o: DecodeTimes) -> DecodeTimes:
         return DecodeTimes(
-            self.steps + o.steps, self.propose_s + o.propose_s, self.verify_s + o.verify_s, self.total_s + o.total_s
+            self.steps + o.steps,
+            self.propose_s + o.propose_s,
+            self.verify_s + o.verify_s,
+            self.total_s + o.total_s,
+            self.grammar_s + o.grammar_s,
         )
 
 
@@ -154,6 +157,7 @@ class EngineMetrics:
     num_preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    grammar_s: float = 0.0  # seconds computing structured outputs' grammar masks (first tokens included)
     log_interval_s: float = 10.0
     _last_log: float = field(default_factory=time.monotonic)
 

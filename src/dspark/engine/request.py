@@ -12,6 +12,7 @@ from dspark.sampling_params import SamplingParams
 from dspark.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:  # policy modules (the scheduler) import this one and no torch
+    from dspark.spec.grammar import GrammarMatcher
     from dspark.spec.logprobs import TokenLogprobs
 
 
@@ -42,6 +43,7 @@ class Request:
     aborted: bool = False
     error: str | None = None  # what raised while processing this request (finish_reason "error")
     detok: IncrementalDetokenizer | None = None  # output text (None: built outside Engine.add_request, no text)
+    grammar: GrammarMatcher | None = None  # structured output: the grammar its tokens follow (spec/grammar.py)
     hold: bool = False  # P/D disaggregation: a normal finish keeps its pages and state slot for export (transfer.py)
     # prefix caching: the chained hashes of its full blocks so far, the tokens its last admission found cached, where
     # a stateful target's prefill ends chunks (block boundaries whose states are worth a snapshot), and the block of

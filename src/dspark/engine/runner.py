@@ -286,8 +286,11 @@ class ModelRunner:
         )
 
     @staticmethod
-    def processing_tensors(reqs: Sequence[Request], vocab: int, eos_ids: set[int]) -> ProcessingTensors | None:
-        """Logits-processing inputs (spec/processing.py) of a round; None when no request processes its logits."""
+    def processing_tensors(
+        reqs: Sequence[Request], vocab: int, eos_ids: set[int], allowed: torch.Tensor | None = None
+    ) -> ProcessingTensors | None:
+        """Logits-processing inputs (spec/processing.py) of a round; ``allowed`` [B, T, V]: the grammar masks
+        (spec/grammar.py). None when no request processes its logits."""
         if not any(r.params.processes_logits for r in reqs):
             return None
         B = len(reqs)
@@ -313,6 +316,7 @@ class ModelRunner:
             bias=bias,
             min_left=torch.tensor([max(0, r.params.min_tokens - len(r.output_ids)) for r in reqs]),
             min_mask=min_mask,
+            allowed=allowed,
         )
 
 

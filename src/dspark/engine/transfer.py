@@ -309,6 +309,7 @@ def import_request(
             raise TransferError(f"kv transfer: key 'sampling_params' is invalid ({e}); {FALLBACK}") from None
     rid = request_id or header["request_id"]
     _check_room(engine, rid, ids, outs, params)
+    grammar = engine.grammar_matcher(params)  # before any page is taken: a grammar that does not compile raises
     if not engine.blocks.ensure_capacity(rid, n):
         raise TransferError(
             f"kv transfer: {engine.blocks.allocator.pages_for(n)} pages needed for {n} rows but "
@@ -325,7 +326,7 @@ def import_request(
     except BaseException:
         release_held(engine, rid)
         raise
-    req = Request(rid, list(ids), params, int(header["seed"]), detok=engine.tokenizer.detokenizer())
+    req = Request(rid, list(ids), params, int(header["seed"]), detok=engine.tokenizer.detokenizer(), grammar=grammar)
     for tok in outs[:-1]:  # a request moved mid-decode: its earlier outputs (normally none)
         req.output_ids.append(tok)
         if req.detok is not None:

@@ -286,7 +286,11 @@ class MLAttention(nn.Module, Packable):
         return self.attend_queries(x, (q_nope, q_pe), kv, mask, absorbed)
 
     def attend_queries(
-        self, x: torch.Tensor, queries: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor, mask: torch.Tensor,
+        self,
+        x: torch.Tensor,
+        queries: tuple[torch.Tensor, torch.Tensor],
+        kv: torch.Tensor,
+        mask: torch.Tensor,
         absorbed: bool,
     ) -> torch.Tensor:
         """Projected queries (q_nope, q_pe) over latents kv [B,S,C+R], then the output projection (x feeds the
@@ -314,8 +318,11 @@ class MLAttention(nn.Module, Packable):
         ops = native.inference_ops()
         dtype = q_nope.dtype
         linears = (self.o_proj, self.kv_b_proj, *((self.g_proj,) if self.cfg.use_output_gate else ()))
-        if ops is None or dtype not in NATIVE_DTYPES or x.dtype != dtype or not all(
-            type(m) is Linear and m.weight.dtype == dtype and m.weight.device.type == "cpu" for m in linears
+        if (
+            ops is None
+            or dtype not in NATIVE_DTYPES
+            or x.dtype != dtype
+            or not all(type(m) is Linear and m.weight.dtype == dtype and m.weight.device.type == "cpu" for m in linears)
         ):
             return None
         bias = attention_bias(mask)
@@ -324,8 +331,17 @@ class MLAttention(nn.Module, Packable):
         w_uk_t, w_uv = self._native_weights()
         gate = self.cfg.use_output_gate
         return ops.mla_attend(
-            q_nope, q_pe, same_dtype(kv, dtype), bias, w_uk_t, w_uv, self.scale, x if gate else None,
-            self.g_proj.weight if gate else None, self.o_proj.weight, self.o_proj.bias,
+            q_nope,
+            q_pe,
+            same_dtype(kv, dtype),
+            bias,
+            w_uk_t,
+            w_uv,
+            self.scale,
+            x if gate else None,
+            self.g_proj.weight if gate else None,
+            self.o_proj.weight,
+            self.o_proj.bias,
         )
 
     def _native_weights(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,9 @@ from dspark.engine.engine import Engine
 from dspark.serve import disagg
 from dspark.serve.config import ServerConfig
 from dspark.serve.errors import install_error_handlers
+from dspark.serve.inputs import chat_roles
 from dspark.serve.middleware import ApiKeyMiddleware, BodyLimitMiddleware, ErrorMiddleware
+from dspark.serve.openapi import served_limits
 from dspark.serve.routes import admin, chat, completions, tokenize
 from dspark.serve.state import ServerState
 
@@ -43,6 +45,14 @@ def create_app(
     app.state.dspark = state
     for module in (completions, chat, tokenize, admin, disagg):
         app.include_router(module.router)
+    generic = app.openapi
+
+    def openapi() -> dict:  # the request models' schema with the served model's limits (serve/openapi.py)
+        if app.openapi_schema is None:
+            served_limits(generic(), engine.target.config.vocab_size, engine.max_model_len, chat_roles(engine))
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     install_error_handlers(app)
     app.add_middleware(ErrorMiddleware)  # innermost: the first added
     limits = {"max_bytes": config.max_request_bytes, "max_kv_transfer_bytes": config.max_kv_transfer_bytes}

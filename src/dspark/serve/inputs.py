@@ -7,23 +7,35 @@ The functions here are synchronous and may be slow on long text: routes run them
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from jinja2 import TemplateError
 
 from dspark.config import ConfigError
-from dspark.engine.engine import Engine
-from dspark.sampling_params import SamplingParams
+from dspark.engine.engine import Engine, EngineError
+from dspark.sampling_params import SamplingParams, SamplingParamsError, StructuredOutput
 from dspark.serve.errors import APIError
 from dspark.serve.protocol import (
     CHAT_TEMPLATE_ERROR,
     CONTEXT_LENGTH_EXCEEDED,
+    STRUCTURED_OUTPUT_UNSUPPORTED,
     TOKEN_ID_OUT_OF_RANGE,
     TOO_MANY_PROMPTS,
     ChatCompletionRequest,
     ChatMessage,
     CompletionPrompt,
     CompletionRequest,
+    ResponseFormat,
+)
+
+STRUCTURED_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
 )
 
 
@@ -32,12 +44,52 @@ def encode_prompt(engine: Engine, text: str, add_special_tokens: bool = True) ->
     return engine.tokenizer.encode(text, add_special_tokens)
 
 
+ROLES = ("system", "user", "assistant", "developer", "tool")
+FOLDED_ROLES = ("system", "developer")  # rendered into the first user turn when the template refuses them
+
+
+@functools.lru_cache(maxsize=16)
+def _template_roles(tokenizer: object) -> frozenset[str]:
+    """The roles the chat template renders (each probed before a user turn); empty without a template."""
+    ok = set()
+    for role in ROLES:
+        try:
+            tokenizer.apply_chat_template([{"role": role, "content": "x"}, {"role": "user", "content": "x"}])
+            ok.add(role)
+        except (ConfigError, TemplateError):
+            pass
+    return frozenset(ok)
+
+
+def chat_roles(engine: Engine) -> list[str]:
+    """The roles a chat request may use on this model: the template's own, plus system and developer by the folding
+    rule; empty when the model has no chat template (every chat is then a CHAT_TEMPLATE_ERROR)."""
+    own = _template_roles(engine.tokenizer)
+    return [r for r in ROLES if r in own or (own and r in FOLDED_ROLES)]
+
+
+def _fold_system(turns: list[dict[str, str]], own: frozenset[str]) -> list[dict[str, str]]:
+    """System / developer messages the template refuses, joined by blank lines, before the first user message's
+    content (a user message of their own when there is none)."""
+    folded = [t["content"] for t in turns if t["role"] in FOLDED_ROLES and t["role"] not in own]
+    if not folded or not own:
+        return turns
+    rest = [t for t in turns if not (t["role"] in FOLDED_ROLES and t["role"] not in own)]
+    first = next((i for i, t in enumerate(rest) if t["role"] == "user"), None)
+    if first is None:
+        return [{"role": "user", "content": "\n\n".join(folded)}, *rest]
+    rest[first] = {"role": "user", "content": "\n\n".join([*folded, rest[first]["content"]])}
+    return rest
+
+
 def render_chat(engine: Engine, messages: Sequence[ChatMessage]) -> str:
-    """The chat prompt text (the request models allow only 'text' content parts)."""
+    """The chat prompt text (the request models allow only 'text' content parts); system / developer messages the
+    template refuses are folded into the first user turn."""
     turns = []
     for m in messages:
         content = "".join(p.text or "" for p in m.content) if isinstance(m.content, list) else m.content or ""
         turns.append({"role": m.role, "content": content})
+    turns = _fold_system(turns, _template_roles(engine.tokenizer))
     try:
         return engine.tokenizer.apply_chat_template(turns)
     except (ConfigError, TemplateError) as e:  # no chat template, or the template refuses these messages
@@ -127,6 +179,57 @@ def _logprobs_of(req: CompletionRequest | ChatCompletionRequest) -> tuple[int | 
     return (top if req.logprobs or top else None), None
 
 
+def _response_format(rf: ResponseFormat) -> StructuredOutput | None:
+    if rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return StructuredOutput(json_object=True)
+    if rf.json_schema is None:
+        raise SamplingParamsError("type 'json_schema' needs 'json_schema': {'name': ..., 'schema': {...}}")
+    return StructuredOutput(json=rf.json_schema.schema_)
+
+
+def _structured_field(req: CompletionRequest | ChatCompletionRequest, name: str) -> StructuredOutput | None:
+    value = getattr(req, name)
+    if value is None:
+        return None
+    if name == "response_format":
+        return _response_format(value)
+    if name == "structured_outputs":
+        given = {k: v for k, v in value.model_dump(by_alias=True).items() if v not in (None, False)}
+        return StructuredOutput(**given) if given else None
+    key = name.removeprefix("guided_")
+    return StructuredOutput(**{key: tuple(value) if key == "choice" else value})
+
+
+def structured_of(engine: Engine, req: CompletionRequest | ChatCompletionRequest) -> StructuredOutput | None:
+    """The request's output constraint: at most one of STRUCTURED_FIELDS, compiled once here so that a schema,
+    regex or grammar the engine cannot use is a 400 naming its field."""
+    found: list[tuple[str, StructuredOutput]] = []
+    for name in STRUCTURED_FIELDS:
+        try:
+            so = _structured_field(req, name)
+        except SamplingParamsError as e:
+            raise APIError(400, f"{name}: {e}", param=name, code=STRUCTURED_OUTPUT_UNSUPPORTED) from None
+        if so is not None:
+            found.append((name, so))
+    if len(found) > 1:
+        raise APIError(
+            400,
+            f"{found[1][0]} and {found[0][0]} both constrain the output; give one of them",
+            param=found[1][0],
+            code=STRUCTURED_OUTPUT_UNSUPPORTED,
+        )
+    if not found:
+        return None
+    name, so = found[0]
+    try:
+        engine.grammar_matcher(SamplingParams(structured=so))
+    except EngineError as e:
+        raise APIError(400, f"{name}: {e}", param=name, code=STRUCTURED_OUTPUT_UNSUPPORTED) from None
+    return so
+
+
 def sampling_params_of(
     engine: Engine, req: CompletionRequest | ChatCompletionRequest, max_tokens: int
 ) -> SamplingParams:
@@ -151,4 +254,5 @@ def sampling_params_of(
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=bias,
         min_tokens=req.min_tokens or 0,
+        structured=structured_of(engine, req),
     )

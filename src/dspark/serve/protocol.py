@@ -4,8 +4,8 @@ Requests ignore unknown fields (as vLLM does) and use strict types (as vLLM does
 ``"stream": "yes"`` are 400s, not coerced. An integer field takes any integral JSON number (``2.0`` is ``2``, as
 JSON Schema's "integer" says; ``2.5`` is a 400). Text must be valid Unicode (a lone surrogate such as ``"\ud800"`` is a
 400 naming the field). Every field a request may carry is applied or refused: the fields dspark cannot honour
-(``best_of > 1``, ``suffix``, ``response_format`` and the guided / structured-output fields) are declared so that a
-value other than their neutral one is rejected with a clear 400 instead of being silently dropped.
+(``best_of > 1``, ``suffix``) are declared so that a value other than their neutral one is rejected with a clear
+400 instead of being silently dropped; the structured-output models refuse keys they do not know.
 
 The models are the server's contract: ``/openapi.json`` is generated from them, so every rule a request must
 meet that does not depend on the model being served is declared here (ranges, non-empty prompts, the supported
@@ -47,9 +47,22 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # prompt + max_tokens over 
 TOKEN_ID_OUT_OF_RANGE = "token_id_out_of_range"  # a token id not in the model's vocabulary
 TOO_MANY_PROMPTS = "too_many_prompts"  # more prompts in one request than --max-prompts-per-request
 CHAT_TEMPLATE_ERROR = "chat_template_error"  # the model has no chat template or its template refuses the chat
+# the grammar engine cannot compile the schema / regex / grammar, or two fields constrain the output
+STRUCTURED_OUTPUT_UNSUPPORTED = "structured_output_unsupported"
 DEPLOYMENT_LIMIT_CODES = frozenset(
-    {CONTEXT_LENGTH_EXCEEDED, TOKEN_ID_OUT_OF_RANGE, TOO_MANY_PROMPTS, CHAT_TEMPLATE_ERROR}
+    {
+        CONTEXT_LENGTH_EXCEEDED,
+        TOKEN_ID_OUT_OF_RANGE,
+        TOO_MANY_PROMPTS,
+        CHAT_TEMPLATE_ERROR,
+        STRUCTURED_OUTPUT_UNSUPPORTED,
+    }
 )
+# markers in the generated JSON Schema that serve/openapi.py replaces with the served model's limits
+TOKEN_ID_MARK = "x-dspark-token-id"  # an integer token id: maximum vocab - 1
+PROMPT_IDS_MARK = "x-dspark-prompt-ids"  # a prompt as token ids: maxItems max_model_len - 1
+MAX_TOKENS_MARK = "x-dspark-max-tokens"  # generated tokens: maximum max_model_len - 1
+ROLE_MARK = "x-dspark-role"  # a chat message's role: the roles the chat template renders
 
 
 def random_id(prefix: str) -> str:
@@ -121,14 +134,16 @@ def _declare_non_empty_ids(schema: dict[str, Any]) -> None:
             s["minLength"] = 1
         elif kind == "array":
             s["minItems"] = 1
+            if s.get("items", {}).get("type") == "integer":
+                s[PROMPT_IDS_MARK] = True
         elif kind == "integer":
-            s["minimum"] = 0
+            s["minimum"], s[TOKEN_ID_MARK] = 0, True
 
 
 def _declare_ids(schema: dict[str, Any]) -> None:
     for s in subschemas(schema):
         if s.get("type") == "integer":
-            s["minimum"] = 0
+            s["minimum"], s[TOKEN_ID_MARK] = 0, True
 
 
 def _negative_id(ids: list[Any]) -> str | None:
@@ -197,7 +212,8 @@ Text = Annotated[str, AfterValidator(_valid_unicode)]
 Integral = BeforeValidator(_integral)
 Int = Annotated[int, Integral]
 TokenIds = Annotated[list[Int], Rule(lambda ids, _: _negative_id(ids), _declare_ids)]
-MaxTokens = Annotated[int, Field(ge=1), Integral]  # the upper bound is the model's context (CONTEXT_LENGTH_EXCEEDED)
+# the upper bound is the served model's context (MAX_TOKENS_MARK; with the prompt: CONTEXT_LENGTH_EXCEEDED)
+MaxTokens = Annotated[int, Field(ge=1, json_schema_extra={MAX_TOKENS_MARK: True}), Integral]
 
 
 class _Request(BaseModel):
@@ -225,7 +241,38 @@ class KVTransferParams(_Request):
     decode_url: Annotated[Text, Field(pattern=r"^https?://")] | None = None
 
 
-NO_STRUCTURED = "the dspark server has no structured outputs yet; omit it"
+class JsonSchemaFormat(_Request):
+    """``response_format.json_schema`` (OpenAI): the schema the output follows (``strict`` is always honoured)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: Text | None = None
+    description: Text | None = None
+    schema_: Annotated[dict[str, Any], Field(alias="schema")]
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON object) or
+    ``json_schema`` (with ``json_schema``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's ``structured_outputs``: exactly one of ``json`` (a JSON schema), ``json_object``, ``regex``,
+    ``choice`` or ``grammar`` (Lark, or GBNF / EBNF). Other keys are refused by name."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    json_: Annotated[dict[str, Any] | Text | None, Field(alias="json")] = None
+    json_object: bool | None = None
+    regex: Annotated[Text, Field(min_length=1)] | None = None
+    choice: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1)] | None = None
+    grammar: Annotated[Text, Field(min_length=1)] | None = None
 
 
 TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,18}$")]  # a logit_bias key: a token id as a decimal string
@@ -255,12 +302,13 @@ class _SamplingFields(_Request):
     frequency_penalty: Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0, le=MAX_REPETITION_PENALTY)] | None = None
     min_tokens: Annotated[int, Field(ge=0, le=INT64_MAX), Integral] | None = None  # EOS / stop ids held back
-    response_format: Annotated[dict[str, Any] | None, only(None, {"type": "text"}, hint=NO_STRUCTURED)] = None
-    guided_json: Annotated[Any, only(None, hint=NO_STRUCTURED)] = None
-    guided_regex: Annotated[Any, only(None, hint=NO_STRUCTURED)] = None
-    guided_choice: Annotated[Any, only(None, hint=NO_STRUCTURED)] = None
-    guided_grammar: Annotated[Any, only(None, hint=NO_STRUCTURED)] = None
-    structured_outputs: Annotated[Any, only(None, hint=NO_STRUCTURED)] = None
+    # structured outputs (at most one of these; serve/inputs.py): a grammar masks the same distribution
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | Text | None = None  # vLLM's older names of structured_outputs' keys
+    guided_regex: Annotated[Text, Field(min_length=1)] | None = None
+    guided_choice: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1)] | None = None
+    guided_grammar: Annotated[Text, Field(min_length=1)] | None = None
     # between dspark instances (the P/D proxy sets it), so not in /openapi.json's public contract
     kv_transfer_params: SkipJsonSchema[KVTransferParams | None] = None
 
@@ -273,7 +321,9 @@ class CompletionRequest(_SamplingFields):
 
     prompt: Annotated[CompletionPrompt, Rule(_prompt_problem, _declare_non_empty_ids)]
     # 0: no generated token (with echo and logprobs: the prompt's log-likelihoods from one prefill)
-    max_tokens: Annotated[int, Field(ge=0), Integral] | None = COMPLETIONS_DEFAULT_MAX_TOKENS
+    max_tokens: Annotated[int, Field(ge=0, json_schema_extra={MAX_TOKENS_MARK: True}), Integral] | None = (
+        COMPLETIONS_DEFAULT_MAX_TOKENS
+    )
     logprobs: TopLogprobs | None = None  # per token: its logprob and the top-k alternatives'
     echo: bool = False  # the prompt before the completion (and its tokens' logprobs, the first null)
     best_of: Annotated[Int | None, only(None, 1, hint="only 1")] = None
@@ -286,7 +336,11 @@ class TextPart(_Request):
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    # /openapi.json lists the roles the served model's chat template renders (serve/openapi.py); system and developer
+    # messages a template refuses are folded into the first user turn (serve/inputs.py: render_chat)
+    role: Annotated[
+        Literal["system", "user", "assistant", "developer", "tool"], Field(json_schema_extra={ROLE_MARK: True})
+    ]
     content: Annotated[Text | list[TextPart] | None, Rule(_text_parts_only, _declare_text_parts)] = None
     name: Text | None = None
 

@@ -8,6 +8,8 @@ accepts against exactly the distribution plain decoding samples from, which keep
 - ``min_tokens``: EOS and the stop token ids get -inf while fewer than ``min_tokens`` tokens are generated.
 - repetition penalty r (prompt and generated tokens): a seen token's logit l becomes l / r if l > 0, else l * r.
 - frequency f and presence p (generated tokens only): l - f * count - p * (count > 0).
+- structured outputs: tokens the request's grammar refuses get -inf (row j: the grammar after d_1..d_j;
+  ``spec/grammar.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class ProcessingTensors:
     bias: torch.Tensor  # [B, V] float32
     min_left: torch.Tensor  # [B] int64: tokens to generate before EOS / stop ids may be (min_tokens - generated)
     min_mask: torch.Tensor  # [B, V] bool: the tokens min_tokens holds back (EOS and stop_token_ids)
+    allowed: torch.Tensor | None = None  # [B, T, V] bool: what each row's grammar allows (None: no grammar)
 
 
 def round_counts(counts: torch.Tensor, drafts: torch.Tensor | None, num_rows: int) -> torch.Tensor:
@@ -53,4 +56,4 @@ def process(logits: torch.Tensor, pt: ProcessingTensors, drafts: torch.Tensor | 
     seen = generated | pt.prompt_seen[:, None]
     x = torch.where(seen & (rep != 1.0), torch.where(x > 0, x / rep, x * rep), x)
     x = x - pt.frequency[:, None, None] * counts - pt.presence[:, None, None] * generated
-    return x
+    return x if pt.allowed is None else x.masked_fill(~pt.allowed, float("-inf"))

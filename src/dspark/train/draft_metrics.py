@@ -23,9 +23,7 @@ class MetricSums:
         if self.values is None:
             self.values = torch.zeros(7 + 2 * self.K, dtype=torch.float64)
 
-    def add(
-        self, res: DSparkLoss, eval_mask: torch.Tensor, weights: LossWeights, denom: torch.Tensor | float
-    ) -> None:
+    def add(self, res: DSparkLoss, eval_mask: torch.Tensor, weights: LossWeights, denom: torch.Tensor | float) -> None:
         """Accumulate one micro-batch. Tensor arithmetic only, on the batch's device (no host sync: an accelerator
         keeps running until ``summary`` reads the sums)."""
         K = self.K

@@ -207,7 +207,6 @@ def _with_counters(sampling: SamplingTensors, anchor: torch.Tensor) -> SamplingT
     return replace(sampling, counters=round_counters(anchor, 1))
 
 
-
 def load_static_generator(
     model: str, device: torch.device, dtype: str = "auto", batch_size: int = 256, seed: int = 0
 ) -> tuple[StaticGenerator, Any]:

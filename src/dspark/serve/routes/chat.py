@@ -42,7 +42,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
     state.check_model(req.model)
     check_samples(1, req.n, state.config.max_prompts_per_request)
     ids = await state.off_loop(encode_chat, state.engine, req.messages)
-    params = _params(state, req, len(ids))
+    params = await state.off_loop(_params, state, req, len(ids))  # a grammar compiles here
     rid = new_id("chatcmpl")
     kv = req.kv_transfer_params
     if kv is not None and kv.do_remote_decode:  # P/D prefill: the first token here, the rest on a decode instance

@@ -41,7 +41,7 @@ async def completions(req: CompletionRequest, request: Request, state: State):
     engine = state.engine
     limit = state.config.max_prompts_per_request
     prompts = await state.off_loop(encode_completion_prompts, engine, req.prompt, limit, req.n)
-    params = _params(state, req, prompts)
+    params = await state.off_loop(_params, state, req, prompts)  # a grammar compiles here
     rid = new_id("cmpl")
     kv = req.kv_transfer_params
     lens = [len(p) for p in prompts]
