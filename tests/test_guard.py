@@ -50,6 +50,16 @@ def test_a_probe_that_drafting_wins_brings_the_period_back():
     assert tail.count("p") >= 40 // 5 - 1  # plain decoding is probed every 4 rounds again
 
 
+def test_drafting_keeps_the_lead_on_a_near_tie_and_hands_it_back_beyond_the_margin():
+    """Hysteresis both ways: rounds a few per cent slower than plain steps (a few unlucky rounds) keep drafting on;
+    rounds slower by more than the margin hand the lead to plain steps."""
+    guard = SpeculationGuard(period=4, probe=1, warmup=1, max_period=8, alpha=1.0, margin=0.1, cold=0)
+    near_tie = _drive(guard, 60, draft_rate=19, plain_rate=20)  # 5 % slower: within the margin
+    assert near_tie[-10:].count(True) >= 8 and guard.drafting(1) is True
+    losing = _drive(guard, 60, draft_rate=15, plain_rate=20)  # 25 % slower: plain steps lead
+    assert losing[-10:].count(True) <= 3 and guard.drafting(1) is False
+
+
 def test_drafting_takes_the_lead_back_only_by_the_margin():
     guard = SpeculationGuard(period=4, probe=1, warmup=1, max_period=8, alpha=1.0, margin=0.1, cold=0)
     _drive(guard, 20, draft_rate=10, plain_rate=20)  # plain leads

@@ -10,7 +10,9 @@ its estimate (the text, the depth and the machine's load drift). While plain ste
 probe doubles the wait before the next one (up to ``max_period``), so a drafter that does not pay costs less and less;
 a probe that drafting wins (by ``margin``: a lucky probe of two rounds must not buy ``period`` losing ones) brings the
 period back to ``period``, and while drafting leads, every round compares its fresh rate with the plain steps' last
-one, so drafting that stops paying hands the lead back at once. Either mode samples from the target's
+one, so drafting that stops paying hands the lead back at once. Either way the lead changes hands only when the other
+mode is faster by ``margin``: a round's tokens vary widely (1 to K+1), and a few unlucky rounds early in an answer
+must not switch off drafting that the rest of the answer repays (on a near tie the leader keeps the lead). Either mode samples from the target's
 distribution, so switching never changes what a request can produce (greedy output is identical token for token);
 only seeded sampled output, which depends on the rounds taken, would differ from run to run, so the engine leaves a
 step with a seeded sampled request out of the guard (it drafts).
@@ -69,11 +71,13 @@ class SpeculationGuard:
     period: int = 32  # leader steps between two probes of the other mode
     max_period: int = 512  # the longest wait between probes while plain steps keep winning
     probe: int = 2  # steps per probe
-    warmup: int = 4  # warm speculative rounds before the first probe of plain decoding
+    warmup: int = 16  # warm speculative rounds before the first probe of plain decoding (once per engine and
+    # batch-size bucket: a round's tokens vary from 1 to K+1, so fewer rounds cannot tell a 10 % difference)
     alpha: float = 0.3  # EMA weight of the newest step
     cold: int = 2  # the first steps of each mode in a bucket pay one-time costs: left out of its rate
-    margin: float = 0.1  # drafting takes the lead back from plain steps only when this much faster (a lucky probe
-    # of a few rounds must not buy ``period`` rounds that lose; plain decoding is the safe side of a near-tie)
+    margin: float = 0.1  # the leading mode keeps the lead until the other is this much faster: a lucky probe of a
+    # few rounds must not buy ``period`` rounds that lose, and a few unlucky rounds (a round's tokens vary widely:
+    # 1 to K+1) must not hand the lead to plain steps that are no faster
     buckets: dict[int, _Bucket] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -113,7 +117,7 @@ class SpeculationGuard:
             if b.probe_left == 0:
                 self._elect(b)
             return
-        if drafted and b.plain.steps and b.draft.rate < b.plain.rate:
+        if drafted and b.plain.steps and b.draft.rate * (1.0 + self.margin) < b.plain.rate:
             self._hand_back(b)
             return
         b.until_probe -= 1 if mode.steps else 0
@@ -126,7 +130,9 @@ class SpeculationGuard:
         kept_plain = False
         if b.draft.steps and b.plain.steps:
             drafted = b.leader_drafts
-            b.leader_drafts = b.draft.rate >= b.plain.rate * (1.0 if drafted else 1.0 + self.margin)
+            b.leader_drafts = b.draft.rate * (1.0 + self.margin if drafted else 1.0) >= b.plain.rate * (
+                1.0 if drafted else 1.0 + self.margin
+            )
             kept_plain = not drafted and not b.leader_drafts
             if drafted and not b.leader_drafts:
                 b.off_at, b.off_rates = b.steps, (b.draft.rate, b.plain.rate, b.draft.tokens)
