@@ -85,6 +85,21 @@ def test_gguf_int8_stays_near_the_dense_model(export):
     assert (got - dense).abs().max() <= 0.05 * (dense.max() - dense.min())
 
 
+@needs_native
+def test_int8_products_give_every_row_its_one_row_result_at_any_row_count(export):
+    """The int8 arithmetic keeps the block kernel for every row count (no GEMM above DENSE_ROWS), so a row of a
+    192-row product (24 requests' verifications) equals that row alone."""
+    from dspark.models.quantized import DENSE_ROWS, QuantLinear
+
+    model = load_target(export, "float32", quantization="gguf")
+    linear = next(m for m in model.modules() if isinstance(m, QuantLinear))
+    x = torch.randn(3 * DENSE_ROWS, linear.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        for m in (DENSE_ROWS + 1, 3 * DENSE_ROWS):
+            many = linear(x[:m])
+            assert all(torch.equal(many[i], linear(x[i : i + 1])[0]) for i in range(0, m, 7)), m
+
+
 def test_the_fallback_serves_the_export_values_bit_for_bit(export, monkeypatch):
     monkeypatch.setenv(native.ENV, "0")
     dense = logits(load_target(export, "float32"))

@@ -18,8 +18,8 @@ The block kernels dequantize each weight block once and apply it to up to 8 acti
 product of M rows costs about M fp32 FMAs per weight (the FMA floor) rather than M passes over the weight; each
 row's result is bit for bit its M = 1 result, so a speculative verify of K+1 rows decodes exactly what K+1 plain
 steps would. In the int8 arithmetic a weight of 16k outputs is repacked once (``kernel_blocks``: 16 outputs side by
-side, ~3.5x fewer operations per activation row; the file's blocks stay for the other readers). Products of more
-than ``DENSE_ROWS`` rows (a prefill) run GEMMs in the input's dtype over tiles of
+side, ~3.5x fewer operations per activation row; the file's blocks stay for the other readers), and every row count
+runs the kernel. In the exact arithmetic, products of more than ``DENSE_ROWS`` rows (a prefill) run GEMMs in the input's dtype over tiles of
 ``DENSE_TILE`` weight rows dequantized for the call (a few hundred KiB at a time, never the whole weight), each
 tile's result bit for bit ``F.linear`` over the dequantized weight (tested). Without the kernels
 (``DSPARK_NATIVE=0``, no compiler) and in grad mode it dequantizes once, lazily, and runs ``F.linear``: the
@@ -47,7 +47,7 @@ from dspark.checkpoint.io import CheckpointError, Problem
 QTYPES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # GGUF type name -> the kernel's code
 BLOCK = 32
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-DENSE_ROWS = 64  # products of more rows (prefill) run as dense GEMMs over weight tiles dequantized for the call
+DENSE_ROWS = 64  # exact arithmetic: products of more rows (prefill) run as dense GEMMs over weight tiles dequantized
 DENSE_TILE = 256  # weight rows dequantized per GEMM on that path
 PACKED = 16  # added to a type code: the blocks are the int8 kernel's packed layout
 PACK_ROWS = 16  # output rows side by side in that layout (weights with other row counts keep the file's)
@@ -193,13 +193,15 @@ class QuantLinear(nn.Module):
         return self._dense_forward(x)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
-        """The block kernel (fp32 out) for up to DENSE_ROWS rows; beyond, GEMMs in x's dtype over weight tiles
-        dequantized for the call (what the dense model computes, tile by tile)."""
+        """The block kernel (fp32 out); in the exact arithmetic, products of more than DENSE_ROWS rows run as GEMMs
+        in x's dtype over weight tiles dequantized for the call (what the dense model computes, tile by tile). The
+        int8 arithmetic keeps the kernel for every row count: another arithmetic for a large batch (24 requests'
+        8-row verifications are 192 rows) would make a row's result depend on what shares its forward."""
         ops = native.ops()
         if ops is None:
             return self._dense_forward(x)
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] > DENSE_ROWS:
+        if x2.shape[0] > DENSE_ROWS and not self.int8:
             y = self._tiled_product(ops, x2)
         else:
             blocks, code = self.kernel_blocks()
