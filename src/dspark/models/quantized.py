@@ -18,12 +18,12 @@ The block kernels dequantize each weight block once and apply it to up to 8 acti
 product of M rows costs about M fp32 FMAs per weight (the FMA floor) rather than M passes over the weight; each
 row's result is bit for bit its M = 1 result, so a speculative verify of K+1 rows decodes exactly what K+1 plain
 steps would. In the int8 arithmetic a weight of 16k outputs is repacked once (``kernel_blocks``: 16 outputs side by
-side, ~3.5x fewer operations per activation row; the file's blocks stay for the other readers), and every row count
-runs the kernel. In the exact arithmetic, products of more than ``DENSE_ROWS`` rows (a prefill) run GEMMs in the input's dtype over tiles of
-``DENSE_TILE`` weight rows dequantized for the call (a few hundred KiB at a time, never the whole weight), each
-tile's result bit for bit ``F.linear`` over the dequantized weight (tested). Without the kernels
-(``DSPARK_NATIVE=0``, no compiler) and in grad mode it dequantizes once, lazily, and runs ``F.linear``: the
-export's exact values, so outputs equal the dense model's.
+side, ~3.5x fewer operations per activation row; the file's blocks stay for the other readers), and every row
+count runs the kernel. In the exact arithmetic, products of more than ``DENSE_ROWS`` rows (a prefill) run GEMMs in
+the input's dtype over tiles of ``DENSE_TILE`` weight rows dequantized for the call (a few hundred KiB at a time,
+never the whole weight), each tile's result bit for bit ``F.linear`` over the dequantized weight (tested).
+Without the kernels (``DSPARK_NATIVE=0``, no compiler) and in grad mode it dequantizes once, lazily, and runs
+``F.linear``: the export's exact values, so outputs equal the dense model's.
 
 ``quantize_gguf_linears(model, blocks)`` swaps a loaded GQA target's linears (q/k/v/o, gate/up/down and the
 lm_head, tied or not) for ``QuantLinear``s over the file's blocks; tensors of other types (F32/F16, K-quants) stay

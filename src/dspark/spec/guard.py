@@ -12,8 +12,8 @@ a probe that drafting wins (by ``margin``: a lucky probe of two rounds must not 
 period back to ``period``, and while drafting leads, every round compares its fresh rate with the plain steps' last
 one, so drafting that stops paying hands the lead back at once. Either way the lead changes hands only when the other
 mode is faster by ``margin``: a round's tokens vary widely (1 to K+1), and a few unlucky rounds early in an answer
-must not switch off drafting that the rest of the answer repays (on a near tie the leader keeps the lead). Either mode samples from the target's
-distribution, so switching never changes what a request can produce (greedy output is identical token for token);
+must not switch off drafting that the rest of the answer repays (on a near tie the leader keeps the lead). Either
+mode samples from the target's distribution, so switching never changes what a request can produce (greedy output is identical token for token);
 only seeded sampled output, which depends on the rounds taken, would differ from run to run, so the engine leaves a
 step with a seeded sampled request out of the guard (it drafts).
 
