@@ -1,21 +1,21 @@
 """Speculation that never runs slower than plain decoding: a measured on/off switch for drafting.
 
 A speculative round pays when its accepted tokens outweigh its cost (a drafter pass plus a K+1-row verify). That
-depends on what the engine cannot know in advance: how predictable the text is (τ falls with context depth, on
-chat, at high temperature), how many requests share the step (verify rows stop being free at high concurrency),
-and the machine. ``SpeculationGuard`` measures it instead. For every batch-size bucket it keeps the tokens emitted
-per second of speculative rounds and of plain steps (exponential moving averages of tokens and of seconds), lets
-the faster mode lead, and every ``period`` steps of the leader runs ``probe`` steps of the other mode to refresh
-its estimate (the text, the depth and the machine's load drift). While plain steps keep winning, each confirming
-probe doubles the wait before the next one (up to ``max_period``), so a drafter that does not pay costs less and less;
-a probe that drafting wins (by ``margin``: a lucky probe of two rounds must not buy ``period`` losing ones) brings the
+depends on what the engine cannot know in advance: how predictable the text is (τ falls with context depth, on chat,
+at high temperature), how many requests share the step (verify rows stop being free at high concurrency), and the
+machine. ``SpeculationGuard`` measures it instead. For every batch-size bucket it keeps the tokens emitted per
+second of speculative rounds and of plain steps (exponential moving averages of tokens and of seconds), lets the
+faster mode lead, and every ``period`` steps of the leader runs ``probe`` steps of the other mode to refresh its
+estimate (the text, the depth and the machine's load drift). While plain steps keep winning, each confirming probe
+doubles the wait before the next one (up to ``max_period``), so a drafter that does not pay costs less and less; a
+probe that drafting wins (by ``margin``: a lucky probe of two rounds must not buy ``period`` losing ones) brings the
 period back to ``period``, and while drafting leads, every round compares its fresh rate with the plain steps' last
-one, so drafting that stops paying hands the lead back at once. Either way the lead changes hands only when the other
-mode is faster by ``margin``: a round's tokens vary widely (1 to K+1), and a few unlucky rounds early in an answer
-must not switch off drafting that the rest of the answer repays (on a near tie the leader keeps the lead). Either
-mode samples from the target's distribution, so switching never changes what a request can produce (greedy output is identical token for token);
-only seeded sampled output, which depends on the rounds taken, would differ from run to run, so the engine leaves a
-step with a seeded sampled request out of the guard (it drafts).
+one, so drafting that stops paying hands the lead back at once. Either way the lead changes hands only when the
+other mode is faster by ``margin``: a round's tokens vary widely (1 to K+1), and a few unlucky rounds early in an
+answer must not switch off drafting that the rest of the answer repays (on a near tie the leader keeps the lead).
+Either mode samples from the target's distribution, so switching never changes what a request can produce (greedy
+output is identical token for token); only seeded sampled output, which depends on the rounds taken, would differ
+from run to run, so the engine leaves a step with a seeded sampled request out of the guard (it drafts).
 
 It is on by default (``speculation_guard`` in the speculative config): where a round costs more than its accepted
 tokens repay (a weak drafter, quantized target weights that make plain steps cheap, a slow host), drafting goes off
