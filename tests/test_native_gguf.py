@@ -251,3 +251,47 @@ def test_a_stack_of_native_layers_runs_as_one_call_with_the_same_values_and_taps
     stacks.clear()
     assert greedy() == layers and greedy(ngram) == layers
     assert any(s is not None for s in stacks)
+
+
+@needs_native
+@pytest.mark.parametrize("quantization", ["gguf", "gguf-exact"])
+def test_many_requests_verified_together_decode_their_plain_greedy_tokens(tmp_path, quantization, monkeypatch):
+    """12 requests' 8-row verifications are 96 rows in one forward, more than the 64 above which products switch
+    path: every layer still runs its one native call per row set, so each row equals its plain decode step and
+    speculative greedy output equals plain greedy output, in both arithmetics."""
+    import dspark.models.llama as llama
+    from dspark.config import EngineConfig, SpeculativeConfig
+    from dspark.engine.engine import Engine
+    from dspark.llm import LLM
+    from dspark.sampling_params import SamplingParams
+
+    qtypes = {k: (Q.Q4_1 if v == Q.Q8_0 and k == "blk.1.attn_v.weight" else v) for k, v in QTYPES.items()}
+    src = tiny_hf(LlamaForCausalLM, LlamaConfig, tie_word_embeddings=True)
+    exported = export_gguf(write_gguf(tmp_path / "u.gguf", src, "llama", qtypes=qtypes), out=tmp_path / "e")
+    model = load_target(exported, "float32", quantization=quantization)
+    model.fuse_for_inference()  # q|k|v and gate|up grouped, as engines built by build_engines serve it
+    seen = []  # (rows in the forward, whether the one native stack call ran)
+    real = llama.LlamaTarget.native_stack
+
+    def recorded(self, h, *rest):
+        out = real(self, h, *rest)
+        seen.append((h.shape[0] * h.shape[1], h.shape[1] <= llama.NATIVE_LAYER_ROWS, out is not None))
+        return out
+
+    monkeypatch.setattr(llama.LlamaTarget, "native_stack", recorded)
+    g = torch.Generator().manual_seed(7)
+    motifs = [torch.randint(0, VOCAB_SIZE, (5,), generator=g).tolist() for _ in range(12)]
+    prompts = [m * 4 for m in motifs]  # n-gram lookup proposes K = 7 drafts every round
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=7, prompt_lookup_max=3, speculation_guard=False)
+
+    def greedy(spec):
+        engine = Engine(model, None, spec, EngineConfig(dtype="float32", max_num_seqs=16))
+        return [o.token_ids for o in LLM.from_engine(engine).generate(prompts, params)], engine
+
+    plain, _ = greedy(None)
+    speculative, engine = greedy(ngram)
+    assert engine.metrics.spec.num_drafts > 0
+    assert speculative == plain
+    big = [ran for rows, short, ran in seen if short and rows > 64]
+    assert big and all(big)  # 96-row verifications took the native stack, as the decode steps did

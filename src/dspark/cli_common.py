@@ -152,7 +152,7 @@ def add_precision_args(p: argparse.ArgumentParser) -> None:
         "--quantization",
         default=EngineConfig.quantization,
         choices=QUANTIZATIONS,
-        help="the target's weights (default auto: gguf-exact for a model from a .gguf file when the native kernels "
+        help="the target's weights (default auto: gguf for a model from a .gguf file when the native kernels "
         "run, else none); gguf serves the file's Q4_0/Q4_1/Q8_0 blocks as stored in llama.cpp's arithmetic (int8 "
         "activations), gguf-exact against exact fp32 activations (the reference)",
     )

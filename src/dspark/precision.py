@@ -1,7 +1,7 @@
 """The dtype and weight format a target is served in: ``dtype="auto"`` and ``quantization="auto"`` resolved for this
 machine and this model (the defaults of ``EngineConfig``, so of every command and of ``LLM``).
 
-- quantization "auto": "gguf-exact" for a model that came from a .gguf file (its export records the file) when the
+- quantization "auto": "gguf" for a model that came from a .gguf file (its export records the file) when the
   native kernels run here and the model's family uses them, else "none" (``dspark.models.loading.choose_quantization``).
   Only the target is quantized; a drafter stays dense.
 - dtype "auto": float32 when the target is served quantized (the kernels take fp32 activations, and fp32 beats bf16

@@ -202,7 +202,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the target's max_position_embeddings (capped at 32768)
     dtype: str = AUTO  # bf16 where the CPU multiplies it natively, else fp32; fp32 for a quantized target
-    quantization: str = AUTO  # the target's weight format: "gguf-exact" for a .gguf model when the native kernels run
+    quantization: str = AUTO  # the target's weight format: "gguf" for a .gguf model when the native kernels run
     seed: int = 0
     log_stats_interval_s: float = 10.0
     max_waiting: int = 256

@@ -34,7 +34,7 @@ from dspark.models.layers import (
 )
 from dspark.models.packing import Linear, Packable, PackedWeight, packed_linear
 from dspark.models.protocol import CacheView, PageFormat, TargetOutput, head_output
-from dspark.models.quantized import DENSE_ROWS, QuantGroup, QuantLinear
+from dspark.models.quantized import QuantGroup, QuantLinear
 from dspark.models.rope import apply_rope_half, half_rotation_tables
 from dspark.profiling import scope
 
@@ -186,11 +186,13 @@ class DecoderLayer(nn.Module):
     def native_forward(self, h, cos2, sin2, mask, cache: CacheView | None) -> torch.Tensor | None:
         """The whole layer as one native call (``gqa_layer``, dspark/native/layer.cpp) where it applies: fp32
         inference over GGUF blocks (q|k|v and gate|up grouped, o and down quantized, the native norms), a paged
-        fp32 cache, up to ``NATIVE_LAYER_ROWS`` rows per sequence and ``DENSE_ROWS`` in all. A decode step and a
-        verification both take it, row by row the same arithmetic, so speculative output equals plain decoding;
+        fp32 cache, up to ``NATIVE_LAYER_ROWS`` rows per sequence, however many sequences. A decode step and a
+        verification both take it, row by row the same arithmetic whatever shares the forward (24 requests'
+        verifications are 192 rows; another path above some row count would change a row's result), so speculative
+        output equals plain decoding;
         None elsewhere (the modules below run)."""
         B, T, _ = h.shape
-        if T > NATIVE_LAYER_ROWS or B * T > DENSE_ROWS or h.dtype != torch.float32 or mask is CAUSAL:
+        if T > NATIVE_LAYER_ROWS or h.dtype != torch.float32 or mask is CAUSAL:
             return None
         plane_of = getattr(cache, "plane_and_slots", None)
         ops = native.ops()
@@ -292,7 +294,6 @@ class LlamaTarget(DecoderTarget):
             or not hasattr(ops, "gqa_stack")
             or torch.is_grad_enabled()
             or T > NATIVE_LAYER_ROWS
-            or B * T > DENSE_ROWS
             or h.dtype != torch.float32
             or mask is CAUSAL
             or not h.is_contiguous()

@@ -63,9 +63,8 @@ def load_target(model: SpecOrPath, dtype: str | torch.dtype = "float32", quantiz
     ``quantization``: "none" (dense weights, as exported), "gguf" (``path`` is the export of a .gguf file: its
     Q4_0/Q4_1/Q8_0 linear weights are served as stored by the native kernels in llama.cpp's arithmetic: activations
     quantized per row to int8 blocks, integer dot products; see ``dspark.models.quantized``), "gguf-exact" (the same
-    blocks against exact fp32 activations: the reference), or "auto" ("gguf-exact" for a GGUF export when the
-    native kernels are available, else "none": the int8 arithmetic is faster, but its rows do not yet equal their
-    one-row results in every batch, so it is not the default; docs/performance.md)."""
+    blocks against exact fp32 activations: the reference), or "auto" ("gguf" for a GGUF export when the native
+    kernels are available, else "none")."""
     spec = model_spec(model)
     path = spec.path
     quantization = choose_quantization(spec, quantization)[0]
@@ -108,7 +107,7 @@ def choose_quantization(model: SpecOrPath, quantization: str) -> tuple[str, str]
             return "none", f"auto: model_type {named!r} is served dense only"
         if not native.available():
             return "none", f"auto: {native.status()}"
-        return "gguf-exact", f"auto: {source.name} served as stored by the native kernels, exact fp32 activations"
+        return "gguf", f"auto: {source.name} served as stored by the native kernels, llama.cpp's int8 arithmetic"
     if source is None:
         raise ConfigError(
             f"quantization {quantization!r}: {path} is not the export of a .gguf file (or the file changed since); "
