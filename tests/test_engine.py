@@ -282,3 +282,6 @@ def test_verify_lossless_cli(tmp_path, capsys):
     argv = ["verify-lossless", "--dataset", str(data), "--model", str(target_dir), "--speculative-config", spec]
     assert main([*argv, "--max-tokens", "12"]) == 0
     assert "3/3 prompts identical" in capsys.readouterr().out
+    assert main([*argv, "--max-tokens", "12", "--invariance"]) == 0  # each prompt alone == all of them together
+    out = capsys.readouterr().out
+    assert "3/3 prompts identical alone and batched" in out and out.count("identical to the batch") == 3

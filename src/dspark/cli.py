@@ -510,6 +510,8 @@ def cmd_verify_lossless(args: argparse.Namespace) -> int:
     if not sets:
         raise ValueError("every --context-depths value was skipped; nothing was verified")
     bad = sum(_compare_outputs(label, ids, ar_engine, spec_engine, args.max_tokens) for label, ids in sets)
+    if args.invariance:
+        bad += sum(_compare_alone(label, ids, ar_engine, spec_engine, args.max_tokens) for label, ids in sets)
     verdict = "identical" if not bad else f"{bad} prompt(s) differ"
     print(f"verify-lossless ({precision.dtype}, quantization {precision.quantization}): {verdict}")
     return 1 if bad else 0
@@ -579,6 +581,26 @@ def _compare_outputs(label: str, ids: list[list[int]], ar_engine, spec_engine, m
     return bad
 
 
+def _compare_alone(label: str, ids: list[list[int]], ar_engine, spec_engine, max_tokens: int) -> int:
+    """Batch invariance: each prompt run alone (concurrency 1), target-only and speculative, against the target-only
+    output of all the prompts run together; print and count the prompts where any differs."""
+    from dspark.llm import LLM
+    from dspark.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    together = [o.token_ids for o in LLM.from_engine(ar_engine).generate(ids, params)]
+    bad = 0
+    for i, prompt in enumerate(ids):
+        alone = {name: LLM.from_engine(e).generate([prompt], params)[0].token_ids
+                 for name, e in (("target-only", ar_engine), ("speculative", spec_engine))}  # fmt: skip
+        differ = [name for name, out in alone.items() if out != together[i]]
+        bad += bool(differ)
+        print(f"{label + ' ' if label else ''}prompt {i} alone: " + (f"DIFFERS ({', '.join(differ)})" if differ else
+              "identical to the batch"))  # fmt: skip
+    print(f"{label + ': ' if label else ''}{len(ids) - bad}/{len(ids)} prompts identical alone and batched")
+    return bad
+
+
 def add_verify_lossless(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify-lossless", help="speculative greedy == target-only greedy, token by token")
     p.add_argument("--dataset", required=True, help="JSONL prompts")
@@ -589,6 +611,12 @@ def add_verify_lossless(sub: argparse._SubParsersAction) -> None:
         help="pad prompts with real preceding code to N tokens and verify at each depth, e.g. 1024,4096,16384",
     )
     p.add_argument("--context-source", default=None, help="corpus-format JSONL of code used as padding")
+    p.add_argument(
+        "--invariance",
+        action="store_true",
+        help="also run each prompt alone (target-only and speculative) and require the output of all of them "
+        "run together: a row's result must not depend on what shares its forward",
+    )
     add_max_tokens_arg(p, 64)
     add_model_arg(p)
     add_speculative_config_arg(p)
