@@ -193,8 +193,34 @@ def test_wrong_method_is_405_with_allow(server):
 
 
 def test_schemathesis_finds_nothing(server, tmp_path):
+    _fuzz(*server, tmp_path)
+
+
+@pytest.mark.parametrize("model", ["kimi-k3-mini"])
+def test_schemathesis_finds_nothing_on_the_other_bundled_models(model, tmp_path):
+    """The schema states each served model's limits (vocabulary, context, the roles its template renders): the
+    default pair passes the same run. (SmolLM2 does not yet: its chat template's default system turn alone is
+    longer than the fuzzing context, so most chat bodies are refused for length, which the schema cannot state.)"""
+    from dspark.checkpoint.resolve import resolve_model_ref
+    from dspark.config import ConfigError
+
+    try:
+        resolve_model_ref(model)
+    except ConfigError as e:  # SmolLM2 comes with the smollm2 extra
+        pytest.skip(str(e))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+    spec = {"method": "dspark", "num_speculative_tokens": 2}  # the drafter shipped for the model
+    engine = build_engine(model, spec, max_model_len=MAX_MODEL_LEN, max_num_seqs=2)
+    try:
+        with serving(engine) as url:
+            _fuzz(url, engine, tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _fuzz(url: str, engine, tmp_path: Path) -> None:
     pytest.importorskip("schemathesis", reason="the fuzzer comes with the dev extra: pip install -e '.[dev]'")
-    url, engine = server
     config = tmp_path / "schemathesis.toml"
     config.write_text(SCHEMATHESIS_CONFIG)
     cmd = [
@@ -205,7 +231,7 @@ def test_schemathesis_finds_nothing(server, tmp_path):
         "--max-examples", str(MAX_EXAMPLES),
         "--workers", "1",  # 4.32.5's coverage phase is not thread-safe (a Hypothesis FlakyFailure with more)
         "--generation-database", "none",
-        "--request-timeout", "60",
+        "--request-timeout", "120",
     ]  # fmt: skip
     env = os.environ | {
         "SCHEMATHESIS_HOOKS": "conformance_checks",
