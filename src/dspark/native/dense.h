@@ -92,21 +92,26 @@ inline float round_as(float v, WType t) {
   return v;
 }
 
+#if defined(__AVX512F__)
+// round_as, 16 lanes (bf16: the same integer rounding, NaN → the quiet NaN; fp16: the conversion's nearest even)
+inline __m512 round16(__m512 f, WType t) {
+  if (t == WType::F32) return f;
+  if (t == WType::F16) return _mm512_cvtph_ps(_mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __m512i u = _mm512_castps_si512(f);
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+  const __mmask16 isnan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+  const __m512i kept = _mm512_and_si512(r, _mm512_set1_epi32(int(0xFFFF0000u)));
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(kept, isnan, _mm512_set1_epi32(0x7FC00000)));
+}
+#endif
+
 inline void round_all(float* v, int64_t n, WType t) {
   if (t == WType::F32) return;
   int64_t i = 0;
 #if defined(__AVX512F__)
-  if (t == WType::BF16) {  // round_as, 16 at a time (the same integer rounding; NaN → the quiet NaN)
-    const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF), nan = _mm512_set1_epi32(0x7FC00000);
-    const __m512i hi = _mm512_set1_epi32(int(0xFFFF0000u));
-    for (; i + 16 <= n; i += 16) {
-      const __m512 f = _mm512_loadu_ps(v + i);
-      const __m512i u = _mm512_castps_si512(f);
-      const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, half), _mm512_and_si512(_mm512_srli_epi32(u, 16), one));
-      const __mmask16 isnan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-      _mm512_storeu_ps(v + i, _mm512_castsi512_ps(_mm512_mask_mov_epi32(_mm512_and_si512(r, hi), isnan, nan)));
-    }
-  }
+  if (t == WType::BF16)
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(v + i, round16(_mm512_loadu_ps(v + i), t));
 #endif
   for (; i < n; ++i) v[i] = round_as(v[i], t);
 }

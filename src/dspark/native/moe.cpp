@@ -76,17 +76,6 @@ inline __m512 sigmoid16(__m512 x) {
   return _mm512_div_ps(splat(1.0f), _mm512_add_ps(splat(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
 }
 
-// round_as, 16 lanes (bf16: round_all's integer rounding; fp16: the conversion's nearest even)
-inline __m512 round16(__m512 f, WType t) {
-  if (t == WType::F32) return f;
-  if (t == WType::F16) return _mm512_cvtph_ps(_mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  const __m512i u = _mm512_castps_si512(f);
-  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
-                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
-  const __mmask16 isnan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
-  const __m512i kept = _mm512_and_si512(r, _mm512_set1_epi32(int(0xFFFF0000u)));
-  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(kept, isnan, _mm512_set1_epi32(0x7FC00000)));
-}
 #endif
 
 struct Act {
