@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import dspark
+from test_package_health import _modules  # every module of the package by dotted name
 
-PACKAGE = Path(dspark.__file__).resolve().parent
 ARCHITECTURE = Path(__file__).parents[1] / "docs" / "architecture.md"
 
 
@@ -35,14 +34,6 @@ def layer_of(module: str, table: list[tuple[str, tuple[str, ...]]]) -> int | Non
             if (p.endswith("/") and (rel + "/").startswith(p)) or rel == p.removesuffix(".py"):
                 return i
     return None
-
-
-def modules() -> dict[str, Path]:
-    out = {}
-    for f in PACKAGE.rglob("*.py"):
-        parts = f.relative_to(PACKAGE.parent).with_suffix("").parts
-        out[".".join(parts).removesuffix(".__init__")] = f
-    return out
 
 
 def imports(source: str) -> list[tuple[str, int]]:
@@ -80,7 +71,7 @@ def table():
 
 @pytest.fixture(scope="module")
 def sources():
-    return {name: path.read_text() for name, path in modules().items()}
+    return {name: path.read_text() for name, path in _modules().items()}
 
 
 def test_the_table_is_read(table):
