@@ -17,7 +17,7 @@ from dspark import native
 from dspark.checkpoint.gguf import SOURCE_FILE, export_gguf, gguf_source, read_gguf_blocks
 from dspark.config import ConfigError
 from dspark.models.loading import load_target
-from dspark.models.quantized import QuantLinear
+from dspark.models.quantized import QuantLinear, QuantWeight
 from gguf_fixtures import VOCAB_SIZE, tiny_hf, write_gguf
 
 NATIVE = native.available()  # built (or found) before any test points DSPARK_CACHE elsewhere
@@ -214,14 +214,14 @@ def test_a_stack_of_native_layers_runs_as_one_call_with_the_same_values_and_taps
                         "float32", quantization="gguf-exact")  # fmt: skip
     model.fuse_for_inference()
     stacks = []
-    real, arguments = llama.LlamaTarget.native_stack, llama.stack_arguments
+    real, arguments = llama.LlamaTarget.native_stack, llama.LlamaTarget.stack_arguments
     monkeypatch.setattr(llama.LlamaTarget, "native_stack", lambda *a: stacks.append(r := real(*a)) or r)
     L, T = len(model.model.layers), 5
     tokens = ids()[:1, :T]
     width = model.page_format.width
 
     def run(stack: bool):
-        monkeypatch.setattr(llama, "stack_arguments", arguments if stack else lambda layers: None)
+        monkeypatch.setattr(llama.LlamaTarget, "stack_arguments", arguments if stack else lambda self: None)
         pool = _Pool(L, width, T)
         with torch.inference_mode():
             out = model(tokens, torch.arange(T)[None], torch.ones(1, T, T, dtype=torch.bool).tril(), pool,
@@ -242,7 +242,7 @@ def test_a_stack_of_native_layers_runs_as_one_call_with_the_same_values_and_taps
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
     def greedy(spec=None, stack=True):
-        monkeypatch.setattr(llama, "stack_arguments", arguments if stack else lambda layers: None)
+        monkeypatch.setattr(llama.LlamaTarget, "stack_arguments", arguments if stack else lambda self: None)
         engine = Engine(model, None, spec, EngineConfig(dtype="float32", max_num_seqs=4))
         return [o.token_ids for o in LLM.from_engine(engine).generate(prompts, params)]
 
@@ -295,3 +295,36 @@ def test_many_requests_verified_together_decode_their_plain_greedy_tokens(tmp_pa
     assert speculative == plain
     big = [ran for rows, short, ran in seen if short and rows > 64]
     assert big and all(big)  # 96-row verifications took the native stack, as the decode steps did
+
+
+@needs_native
+def test_stack_arguments_follow_swapped_modules(tmp_path):
+    """The remembered gqa_stack arguments are collected again when a layer's module or blocks change: a swapped
+    down projection and a swapped norm weight both reach the stack's output (it equals the per-layer path)."""
+    src = tiny_hf(LlamaForCausalLM, LlamaConfig, tie_word_embeddings=True)
+    qtypes = {k: (Q.Q4_1 if v == Q.Q8_0 and k == "blk.1.attn_v.weight" else v) for k, v in QTYPES.items()}
+    model = load_target(export_gguf(write_gguf(tmp_path / "s.gguf", src, "llama", qtypes=qtypes), out=tmp_path / "e"),
+                        "float32", quantization="gguf")  # fmt: skip
+    model.fuse_for_inference()
+    L, T = len(model.model.layers), 4
+    tokens = ids()[:1, :T]
+
+    def logits() -> torch.Tensor:
+        pool = _Pool(L, model.page_format.width, T)
+        with torch.inference_mode():
+            return model(tokens, torch.arange(T)[None], torch.ones(1, T, T, dtype=torch.bool).tril(), pool).logits
+
+    first = logits()
+    assert model.stack_arguments() is not None  # every layer runs in the one native call
+    assert model.stack_arguments() is model.stack_arguments()  # remembered while nothing changed
+    layer = model.model.layers[1]
+    down = layer.mlp.down_proj
+    layer.mlp.down_proj = QuantLinear(QuantWeight(down.qweight.qtype, down.qweight.blocks.flip(0).contiguous()),
+                                      down.bias_f32, down.dtype, down.int8)  # fmt: skip
+    swapped = logits()
+    assert not torch.equal(first, swapped)
+    layer.post_attention_layernorm.weight = torch.nn.Parameter(layer.post_attention_layernorm.weight * 2)
+    normed = logits()
+    assert not torch.equal(swapped, normed)
+    model.__dict__.pop("_stack_memo")
+    assert torch.equal(normed, logits())  # collected from scratch: the same arguments

@@ -244,6 +244,12 @@ def test_rms_norm_and_silu_mul_match_torch():
     gu = torch.randn(4, 2, 60) * 5
     g, u = gu.chunk(2, dim=-1)
     torch.testing.assert_close(ops().silu_mul(gu), F.silu(g) * u, rtol=1e-6, atol=1e-6)
+    gu = torch.cat((torch.randn(5, 1543) * 30, torch.randn(5, 1543)), -1)  # saturated gates; tails of 7 lanes
+    gu[0, :8] = torch.tensor([-200.0, -88.5, -87.5, -20.0, 0.0, 20.0, 88.5, 200.0])
+    g, u = gu.chunk(2, dim=-1)
+    rows = ops().silu_mul(gu)
+    torch.testing.assert_close(rows, F.silu(g) * u, rtol=1e-6, atol=1e-6)
+    assert torch.equal(torch.cat([ops().silu_mul(gu[i : i + 1]) for i in range(5)]), rows)  # each row alone
 
 
 # ---------------------------------------------------------------------------------------------- the module

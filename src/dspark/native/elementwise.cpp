@@ -1,5 +1,6 @@
 // fp32 helpers of the native kernels (compiled with kernels.cpp into one library, one torch.ops namespace):
-// rms_norm (fused residual add + RMSNorm) and silu_mul (SwiGLU's silu(g)·u).
+// rms_norm (fused residual add + RMSNorm) and silu_mul (SwiGLU's silu(g)·u, through vmath.h's vector exp where the CPU
+// has one: the same bits on AVX-512 and AVX2, within ~2 ulp of expf).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -7,11 +8,13 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstring>
 #include <optional>
 #include <tuple>
 #include <vector>
 
 #include "quant_blocks.h"
+#include "vmath.h"
 
 namespace {
 
@@ -88,7 +91,24 @@ at::Tensor silu_mul(const at::Tensor& gu_in) {
     for (int64_t i = r0; i < r1; ++i) {
       const float *g = gp + i * I2, *u = g + I;
       float* o = yp + i * I;
-      for (int64_t j = 0; j < I; ++j) o[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
+      int64_t j = 0;
+#if defined(__AVX512F__)
+      for (; j < I; j += 16) {  // every element through the same lanes' code, the tail masked
+        const __mmask16 m = I - j >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (I - j)) - 1);
+        _mm512_mask_storeu_ps(o + j, m, _mm512_mul_ps(silu16(_mm512_maskz_loadu_ps(m, g + j)), _mm512_maskz_loadu_ps(m, u + j)));
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      for (; j + 8 <= I; j += 8) _mm256_storeu_ps(o + j, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + j)), _mm256_loadu_ps(u + j)));
+      if (j < I) {  // the tail through the same lanes' code
+        alignas(32) float gt[8] = {}, ut[8] = {}, ot[8];
+        std::memcpy(gt, g + j, sizeof(float) * (I - j));
+        std::memcpy(ut, u + j, sizeof(float) * (I - j));
+        _mm256_store_ps(ot, _mm256_mul_ps(silu8(_mm256_load_ps(gt)), _mm256_load_ps(ut)));
+        std::memcpy(o + j, ot, sizeof(float) * (I - j));
+        j = I;
+      }
+#endif
+      for (; j < I; ++j) o[j] = g[j] / (1.0f + std::exp(-g[j])) * u[j];
     }
   });
   return y;

@@ -28,55 +28,14 @@
 #include <vector>
 
 #include "dense.h"
+#include "vmath.h"
 
 namespace {
 
 using OptT = std::optional<at::Tensor>;
 
-#if defined(DSPARK_DENSE512)
-// 16 lanes of the activation's functions, each lane alone (so a row's values never depend on the others'):
-// exp by range reduction to [-ln2/2, ln2/2] and a degree-7 polynomial, scaled by 2^n (within ~2 ulp of expf);
-// tanh by an odd polynomial below |x| 0.625, else 1 - 2/(e^{2|x|} + 1) with x's sign (within a few ulp of tanhf).
-// The results are rounded to the module's dtype right after, as the scalar path's are.
-inline __m512 splat(float v) { return _mm512_set1_ps(v); }
-
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, splat(-87.3f)), splat(88.7f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, splat(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, splat(0.693359375f), x);  // x − n·ln2 in two parts (the first exact)
-  r = _mm512_fnmadd_ps(n, splat(-2.12194440e-4f), r);
-  __m512 p = splat(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, splat(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, splat(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, splat(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, splat(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, splat(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, splat(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-inline __m512 tanh16(__m512 x) {
-  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(int(0x80000000u)));
-  const __m512 ax = _mm512_andnot_ps(sign, x);
-  const __m512 z = _mm512_mul_ps(x, x);
-  __m512 p = splat(-5.70498872745e-3f);
-  p = _mm512_fmadd_ps(p, z, splat(2.06390887954e-2f));
-  p = _mm512_fmadd_ps(p, z, splat(-5.37397155531e-2f));
-  p = _mm512_fmadd_ps(p, z, splat(1.33314422036e-1f));
-  p = _mm512_fmadd_ps(p, z, splat(-3.33332819422e-1f));
-  const __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, z), x, x);
-  const __m512 e = exp16(_mm512_add_ps(ax, ax));
-  const __m512 big = _mm512_sub_ps(splat(1.0f), _mm512_div_ps(splat(2.0f), _mm512_add_ps(e, splat(1.0f))));
-  const __m512 signed_big = _mm512_or_ps(big, _mm512_and_ps(x, sign));
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(ax, splat(0.625f), _CMP_LT_OQ), signed_big, small);
-}
-
-inline __m512 sigmoid16(__m512 x) {
-  return _mm512_div_ps(splat(1.0f), _mm512_add_ps(splat(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-}
-
-#endif
+// exp16, tanh16, sigmoid16, silu16: vmath.h (each lane alone; rounded to the module's dtype right after, as the
+// scalar path's results are)
 
 struct Act {
   int64_t kind;  // 0 silu·u, 1 SiTU
@@ -91,7 +50,7 @@ struct Act {
       const __m512 gv = _mm512_maskz_loadu_ps(m, g + j), uv = _mm512_maskz_loadu_ps(m, u + j);
       __m512 hv;
       if (kind == 0) {
-        const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(splat(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+        const __m512 silu = silu16(gv);
         hv = round16(_mm512_mul_ps(round16(silu, t), uv), t);
       } else {  // bg * tanh(g / bg) * sigmoid(g) * (bu * tanh(u / bu))
         const __m512 a = round16(_mm512_mul_ps(splat(bg), round16(tanh16(round16(_mm512_div_ps(gv, splat(bg)), t)), t)), t);
