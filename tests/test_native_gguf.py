@@ -328,3 +328,40 @@ def test_stack_arguments_follow_swapped_modules(tmp_path):
     assert not torch.equal(swapped, normed)
     model.__dict__.pop("_stack_memo")
     assert torch.equal(normed, logits())  # collected from scratch: the same arguments
+
+
+@needs_native
+def test_dense_linears_served_as_q8_0_blocks_stay_near_the_dense_product():
+    """quantize_linears (a drafter's backbone next to a GGUF target): each named linear whose input width is a
+    multiple of 32 becomes Q8_0 blocks in the int8 arithmetic, each value within about half a quantization step of
+    its weight, and its product stays near the dense one; other widths stay dense."""
+    from dspark.models.quantized import quantize_linears
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(40, 8))
+    dense = model[0].weight.detach().clone()
+    x = torch.randn(5, 64)
+    ref = model[0](x).detach()
+    assert quantize_linears(model, ["0", "1"], torch.float32) == 1
+    q = model[0]
+    assert isinstance(q, QuantLinear) and q.int8 and q.qweight.qtype == "Q8_0"
+    assert isinstance(model[1], torch.nn.Linear) and not isinstance(model[1], QuantLinear)
+    step = dense.abs().view(48, 2, 32).amax(-1, keepdim=True) / 127
+    slack = 0.5 + 127 * 2**-11  # half a step, plus the scale's fp16 rounding times the largest quant
+    assert bool(((q.qweight.dequantize() - dense).abs().view(48, 2, 32) <= step * slack + 1e-7).all())
+    with torch.inference_mode():
+        got = q(x)
+    assert (got - ref).abs().max() <= 0.02 * ref.abs().max()
+
+
+def test_the_drafter_follows_the_target_into_q8_0_unless_told():
+    from dspark.config import ConfigError, SpeculativeConfig
+    from dspark.models.loading import choose_draft_quantization
+
+    assert choose_draft_quantization(None, "gguf")[0] == "q8_0"
+    assert choose_draft_quantization("auto", "gguf-exact")[0] == "none"  # the exact reference stays dense
+    assert choose_draft_quantization(None, "none")[0] == "none"
+    assert choose_draft_quantization("none", "gguf")[0] == "none"
+    assert choose_draft_quantization("q8_0", "none")[0] == "q8_0"
+    with pytest.raises(ConfigError, match="quantization"):
+        SpeculativeConfig(quantization="int4")

@@ -60,14 +60,18 @@ def test_quantized_smollm2_greedy_tokens_equal_the_dense_export(models):
     assert quant.model.layers[0].mlp.__dict__["_gate_up_quant"] is not None  # the engine fused the groups
 
 
-def test_dspark_on_the_quantized_smollm2_decodes_the_plain_greedy_tokens(models):
+@pytest.mark.parametrize("draft_quantization", ["none", "q8_0"])
+def test_dspark_on_the_quantized_smollm2_decodes_the_plain_greedy_tokens(models, draft_quantization):
     """The verify runs K+1 rows per request through the block kernels, each row bit for bit its one-row result, and
-    the drafter's reduced-vocabulary head is the target's Q8_0 rows: speculative greedy == plain greedy."""
+    the drafter's reduced-vocabulary head is the target's Q8_0 rows: speculative greedy == plain greedy, with the
+    drafter dense or its backbone in Q8_0 blocks (the int8 arithmetic), which still gets drafts accepted."""
     from dspark.models.loading import load_drafter
 
     _, quant, tok = models
     draft_dir = Path(dspark.__file__).parent / "assets" / "smollm2-135m-dspark"
-    drafter = load_drafter(draft_dir, quant, "float32")
+    drafter = load_drafter(draft_dir, quant, "float32", draft_quantization)
+    swapped = [n for n, m in drafter.named_modules() if isinstance(m, QuantLinear)]
+    assert sorted(swapped) == (sorted(drafter.quantizable_linears()) if draft_quantization == "q8_0" else [])
     spec = SpeculativeConfig(method="dspark", num_speculative_tokens=7, speculation_guard=False)
     cfg = EngineConfig(dtype="float32", max_num_seqs=8)
     plain = Engine(quant, None, None, cfg, tokenizer=tok)

@@ -32,7 +32,7 @@ from dspark.doctor.gate import check_before_load, check_finite
 from dspark.engine.engine import Engine, RequestOutput, load_adaptive, merge_samples
 from dspark.engine.metrics import EngineMetrics
 from dspark.engine.request import Request
-from dspark.models.loading import load_drafter, load_target, resolve_precision
+from dspark.models.loading import choose_draft_quantization, load_drafter, load_target, resolve_precision
 from dspark.models.spec import model_spec, one_read_per_model
 from dspark.sampling_params import SamplingParams
 from dspark.spec.guard import SpeculationGuard
@@ -107,15 +107,16 @@ def build_engines(
     _set_target_backend(target, ecfg.target_attention_backend)
     tcfg = target.config
     tok = load_tokenizer(target_spec, tcfg.vocab_size, tcfg.eos_token_ids, tcfg.bos_token_id)
-    drafters: dict[tuple[Path, str | None], Any] = {}  # one drafter per (directory, attention backend)
+    drafters: dict[tuple[Path, str | None, str], Any] = {}  # one per (directory, attention backend, weights)
     engines = []
     for spec, draft_dir in zip(specs, draft_dirs):
         drafter = None
         if spec is not None and draft_dir is not None:
             backend = spec.draft_attention_backend or ecfg.target_attention_backend  # the target's by default
-            key = (draft_dir, backend)
+            draft_quant = choose_draft_quantization(spec.quantization, precision.quantization)[0]
+            key = (draft_dir, backend, draft_quant)
             if key not in drafters:
-                drafters[key] = load_drafter(draft_dir, target, dtype)
+                drafters[key] = load_drafter(draft_dir, target, dtype, draft_quant)
                 check_finite(drafters[key], f"draft {draft_dir}")  # its own weights (embedding/lm_head borrowed)
                 drafters[key].set_attention_backend(backend)
             drafter = drafters[key]

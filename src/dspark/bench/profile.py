@@ -199,7 +199,7 @@ def _resolve(args: argparse.Namespace) -> tuple[Path, Path | None]:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from dspark.models.loading import load_drafter, load_target, resolve_precision
+    from dspark.models.loading import choose_draft_quantization, load_drafter, load_target, resolve_precision
     from dspark.threads import apply_known_threads, model_key
     from dspark.tuning import SPS_FILE, output_path, usage_line
 
@@ -223,10 +223,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
     target_dir, draft_dir = _resolve(args)
     precision = resolve_precision(target_dir, args.dtype, args.quantization)  # what build_engines would serve
     target = load_target(target_dir, precision.dtype, precision.quantization)
-    drafter = load_drafter(draft_dir, target, precision.dtype) if draft_dir is not None else None
+    draft_quant = choose_draft_quantization(None, precision.quantization)[0]  # what a default spec config loads
+    drafter = load_drafter(draft_dir, target, precision.dtype, draft_quant) if draft_dir is not None else None
     # the thread count generate / bench run this model with (their calibration), unless --num-threads says
     apply_known_threads(model_key(Path(target_dir).name, precision.dtype, sum(p.numel() for p in target.parameters())))
-    what = f"target {target_dir}" + (f" + drafter {draft_dir}" if drafter is not None else " (target only)")
+    what = f"target {target_dir}" + (f" + drafter {draft_dir} ({draft_quant})" if drafter else " (target only)")
     print(
         f"profiling {what}, {precision.describe()}, context {cfg.context_len}, {torch.get_num_threads()} threads",
         file=sys.stderr,

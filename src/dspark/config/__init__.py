@@ -26,6 +26,7 @@ from dspark.config.kimi import KIMI_LAYER_TYPES, KIMI_MLP_TYPES, KDAConfig, Kimi
 from dspark.config.rope import POSITION_KEYS, ROPE_TYPES, RopeConfig, attention_scale, yarn_get_mscale
 from dspark.config.runtime import (
     AUTO,
+    DRAFT_QUANTIZATIONS,
     DTYPE_CHOICES,
     DTYPES,
     QUANTIZATIONS,
@@ -57,6 +58,7 @@ __all__ = [
     "MARKOV_HEAD_TYPES",
     "MLA_MODEL_TYPES",
     "POSITION_KEYS",
+    "DRAFT_QUANTIZATIONS",
     "QUANTIZATIONS",
     "RANDOM_WEIGHTS_KEY",
     "REDUCED_VOCAB_FIX",

@@ -18,6 +18,7 @@ from dspark.config.common import ConfigError, ConfigKeys, fail, positive
 # --------------------------------------------------------------------------------------------------------
 
 SPEC_METHODS = ("dspark", "dflash", "ngram")
+DRAFT_QUANTIZATIONS = ("auto", "q8_0", "none")  # SpeculativeConfig.quantization: the drafter's linears
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,10 @@ class SpeculativeConfig:
     # step with a seeded sampled request always drafts (its output stays reproducible); false: always draft
     speculation_guard: bool = True
     disable_by_batch_size: int | None = None  # vLLM's key: a decode step over more requests than this never drafts
+    # vLLM's key for the draft model's weights: 'q8_0' (its linears as Q8_0 blocks in llama.cpp's int8 arithmetic,
+    # native kernels), 'none' (dense) or null/'auto' ('q8_0' when the target is served in that arithmetic, else
+    # 'none'); the drafts change a little, the output never (verification keeps the target's distribution)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         src = "speculative config"
@@ -73,6 +78,8 @@ class SpeculativeConfig:
         if not 0 <= self.min_verify_len <= self.num_speculative_tokens:
             raise fail(src, "min_verify_len", self.min_verify_len, "must be in [0, num_speculative_tokens]")
         self._check_drafter_keys(src)
+        if self.quantization not in (None, *DRAFT_QUANTIZATIONS):
+            raise fail(src, "quantization", self.quantization, f"use null or one of {list(DRAFT_QUANTIZATIONS)}")
         if self.enable_adaptive_verification and self.method == "ngram":
             raise fail(src, "enable_adaptive_verification", True, "needs a drafter with a confidence head")
         warn_substitute(self.attention_backend, src)

@@ -206,6 +206,22 @@ class DSparkDrafter(nn.Module):
         return self._borrowed["lm_head"]
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the drafter's activations (its norms' weights stay dense whatever its linears are)."""
+        return self.context_norm.weight.dtype
+
+    def quantizable_linears(self) -> list[str]:
+        """The linears ``loading.load_drafter`` may serve as Q8_0 blocks (the int8 arithmetic): the context
+        projection, each MLP's and, on the GQA backbone, each attention projection; the Markov and confidence heads
+        read their weights directly and stay dense, as do MLA's absorbed projections."""
+        names = ["context_proj"]
+        for i, layer in enumerate(self.layers):
+            names += [f"layers.{i}.mlp.{n}" for n in ("gate_proj", "up_proj", "down_proj")]
+            if isinstance(layer.self_attn, GQAttention):
+                names += [f"layers.{i}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        return names
+
+    @property
     def latent_dim(self) -> int:
         return self.backbone.row_width(self.config)
 
@@ -223,7 +239,7 @@ class DSparkDrafter(nn.Module):
     # ---- forward -------------------------------------------------------------------------------------
     def fuse_context(self, taps: torch.Tensor) -> torch.Tensor:
         """taps [B, Tc, m·Dt] → fused context [B, Tc, D]."""
-        return self.context_norm(self.context_proj(taps.to(self.context_proj.weight.dtype)))
+        return self.context_norm(self.context_proj(taps.to(self.dtype)))
 
     def forward(
         self,
@@ -239,7 +255,7 @@ class DSparkDrafter(nn.Module):
         """block_ids/positions [B, Kb] (Kb = A·K packed blocks in training); ctx_taps [B, Tc, m·Dt] new context
         rows at ctx_positions [B, Tc]; mask [B, Kb, S] over the keys the store returns (without a store:
         S = Tc + Kb, context rows first)."""
-        h = self.embed_tokens(block_ids).to(self.context_proj.weight.dtype)
+        h = self.embed_tokens(block_ids).to(self.dtype)
         rope_block = self.rotary.cos_sin(block_positions)
         ctx = rope_ctx = None
         if ctx_taps is not None:

@@ -256,7 +256,8 @@ def stack_identity(layers: Sequence[DecoderLayer]) -> list:
                 key.append(None)
                 continue
             d = m.__dict__
-            key += (m, d.get("qweight"), d.get("bias_f32"), d.get("_native"), d.get("eps"), d["_parameters"].get("weight"))
+            key += (m, d.get("qweight"), d.get("bias_f32"), d.get("_native"), d.get("eps"))
+            key.append(d["_parameters"].get("weight"))
     return key
 
 

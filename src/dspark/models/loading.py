@@ -45,7 +45,7 @@ from dspark.models.kimi_linear import KimiLinearTarget
 from dspark.models.layers import RMSNorm
 from dspark.models.packing import Linear
 from dspark.models.protocol import Target
-from dspark.models.quantized import quantize_gguf_linears
+from dspark.models.quantized import quantize_gguf_linears, quantize_linears
 from dspark.models.spec import ModelSpec, model_spec
 from dspark.precision import Precision, choose_dtype, cpu_capability, torch_dtype
 
@@ -146,9 +146,22 @@ def load_kimi_linear(model: SpecOrPath, dtype: str | torch.dtype = "float32") ->
 # --------------------------------------------------------------------------------------------------------
 
 
-def load_drafter(draft: SpecOrPath, target: nn.Module, dtype: str | torch.dtype = "float32") -> DSparkDrafter:
+def choose_draft_quantization(asked: str | None, target_quantization: str) -> tuple[str, str]:
+    """The drafter's linears, "q8_0" or "none" (``SpeculativeConfig.quantization``, null/"auto" resolved from the
+    target's weight format), and why."""
+    if asked not in (None, AUTO):
+        return asked, "as asked"
+    if target_quantization == "gguf":
+        return "q8_0", "auto: the target runs llama.cpp's int8 arithmetic, the drafter's linears run it as Q8_0 blocks"
+    return "none", "auto: dense, as the target's weights are"
+
+
+def load_drafter(
+    draft: SpecOrPath, target: nn.Module, dtype: str | torch.dtype = "float32", quantization: str = "none"
+) -> DSparkDrafter:
     """Load a draft directory (or its spec) and attach the target's embedding and the lm_head (own file or the
-    target's).
+    target's). ``quantization`` "q8_0": its backbone's linears (``DSparkDrafter.quantizable_linears``) become Q8_0
+    blocks run by the native int8 kernels, its fp32 norms the native kernel (inference only).
 
     target must expose ``embed_tokens`` and ``lm_head`` (MLATarget or HFTarget).
     """
@@ -158,6 +171,11 @@ def load_drafter(draft: SpecOrPath, target: nn.Module, dtype: str | torch.dtype 
     ignore = ("embed_tokens.weight", "lm_head.weight")
     load_module_strict(model, path, rename=model.file_name, ignore_unexpected=ignore, found=weights)
     model.to(torch_dtype(dtype))
+    if quantization == "q8_0":
+        quantize_linears(model, model.quantizable_linears(), torch_dtype(dtype))
+        for m in model.modules():
+            if isinstance(m, RMSNorm):
+                m.use_native()
     lm_head: nn.Module = target.lm_head
     own = path / "lm_head.safetensors"
     if own.exists():

@@ -356,3 +356,28 @@ def quantize_gguf_linears(
         setattr(parent, child, QuantLinear(qw, mod.bias, dtype, int8))
         swapped += 1
     return swapped
+
+
+def quantize_dense(weight: torch.Tensor, qtype: str = "Q8_0") -> QuantWeight:
+    """A dense [N, K] weight (K a multiple of 32) as GGUF blocks of ``qtype``, rounded as llama.cpp's quantizer
+    rounds them (the ``gguf`` package's reference quantizer)."""
+    from gguf import GGMLQuantizationType, quants
+
+    raw = quants.quantize(weight.detach().float().cpu().numpy(), GGMLQuantizationType[qtype])
+    return QuantWeight(qtype, torch.from_numpy(np.ascontiguousarray(raw, dtype=np.uint8)))
+
+
+def quantize_linears(model: nn.Module, names: Sequence[str], dtype: torch.dtype, qtype: str = "Q8_0") -> int:
+    """Swap the linears ``names`` of ``model`` (those whose input width is a multiple of 32) for ``QuantLinear``s
+    over their weights quantized to ``qtype``, in the int8 arithmetic; returns how many. Inference only: the
+    swapped weights are no longer parameters."""
+    swapped = 0
+    for name in names:
+        mod = model.get_submodule(name)
+        if not isinstance(mod, nn.Linear) or mod.in_features % BLOCK:
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, QuantLinear(quantize_dense(mod.weight, qtype), mod.bias, dtype, int8=True))
+        swapped += 1
+    return swapped
