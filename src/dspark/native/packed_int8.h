@@ -93,10 +93,10 @@ struct PackedTile {  // MT activation rows of one call
 };
 
 #if defined(DSPARK_VNNI512)
-// acc += dpbusd(w, the 4 activation bytes at p in every lane), the bytes read as the instruction's broadcast memory
-// operand ({1to16}: compilers do not fold the separate vpbroadcastd of _mm512_set1_epi32 into it)
-inline void dpbusd_bcast(__m512i& acc, __m512i w, const int8_t* p) {
-  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
 }
 
 // one group's 16 outputs for MT activation rows, into out[m] (lane j: output 16g + j)
@@ -124,10 +124,11 @@ inline void packed_sums(const uint8_t* group, const PackedTile& a, __m512* out) 
                                  : dw;
     for (int m = 0; m < MT; ++m) {
       const int8_t* xq = a.q + (m * a.nb + b) * QK;
-      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-      for (int k = 0; k < 8; k += 2) {  // two chains: integer sums, exact in any order
-        dpbusd_bcast(s0, w[k], xq + 4 * k);
-        dpbusd_bcast(s1, w[k + 1], xq + 4 * k + 4);
+      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], bcast4(xq));
+      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], bcast4(xq + 4));
+      for (int k = 2; k < 8; k += 2) {  // two chains: integer sums, exact in any order
+        s0 = _mm512_dpbusd_epi32(s0, w[k], bcast4(xq + 4 * k));
+        s1 = _mm512_dpbusd_epi32(s1, w[k + 1], bcast4(xq + 4 * k + 4));
       }
       const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_set1_ps(a.d[m * a.nb + b]));
       acc[m] = _mm512_fmadd_ps(f, dw, acc[m]);
