@@ -158,6 +158,25 @@ def test_decode_speedup_counts_decode_tokens_over_decode_time_only():
     assert by["ar"].decode_speedup_vs_ar == 1.0 and by["hf-generate"].decode_speedup_vs_ar is None
 
 
+def test_prefill_and_decode_rates_are_reported_per_phase_and_against_llama_cpp():
+    """Each row's prefill rate is prompt tokens over prefill seconds and its decode rate output tokens after the
+    first over decode seconds; the note compares each of our methods with llama.cpp phase by phase."""
+    from dspark.bench.methods import Measurement
+    from dspark.bench.speed import phase_notes, rows_from_measurements
+    from dspark.engine.metrics import DecodeTimes, PrefillTimes
+
+    ar = [Measurement(20, 12.0, None, DecodeTimes(18, 0.0, 9.0, 9.0), 2, PrefillTimes(2, 300, 3.0))]
+    peer = [Measurement(20, 13.0, None, DecodeTimes(18, 0.0, 6.0, 6.0), 2, PrefillTimes(2, 300, 6.0))]
+    other = [Measurement(20, 10.0, None)]
+    cell = Cell("x", 0.0, 1, ((1,), (2,)))
+    rows = rows_from_measurements({"ar": ar, "llama-cpp": peer, "hf-generate": other}, cell)
+    by = {r.name: r for r in rows}
+    assert by["ar"].prefill_tokens_per_s == pytest.approx(100.0) and by["ar"].decode_tokens_per_s == pytest.approx(2.0)
+    assert by["llama-cpp"].decode_tokens_per_s == pytest.approx(3.0) and by["hf-generate"].prefill_tokens_per_s is None
+    (note,) = phase_notes(rows)
+    assert "ar prefill 2.00x, decode 0.67x, whole request 1.08x" in note and "hf-generate" not in note
+
+
 def test_rows_are_computed_from_engine_counter_deltas():
     """The counters are deliberately skewed (one accepted token is dropped from every record): the row must report
     the counters' τ, not the K+1 that the generated tokens would suggest."""

@@ -82,6 +82,9 @@ def test_the_method_runs_one_process_per_prompt_with_our_settings(tmp_path) -> N
     assert m.skip_reason(2, 0.0) and m.skip_reason(1, 0.0) is None
     got = m.run([[0, 1, 2], [0, 2]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert got.output_tokens == 2 * 8 and got.requests == 2 and got.counters is None
+    # its phases from its own counters: 2 × 21 prompt tokens in 2 × 213.02 ms, 2 × 7 eval runs in 2 × 1432.95 ms
+    assert (got.prefill.tokens, got.decode.steps) == (42, 14)
+    assert got.prefill.total_s == pytest.approx(0.42604) and got.decode.total_s == pytest.approx(2.8659)
     calls = [json.loads(line) for line in (tmp_path / "args.jsonl").read_text().splitlines()]
     first = calls[0]
     assert first[first.index("-m") + 1] == str(tmp_path / "model.gguf") and first[first.index("-t") + 1] == "1"

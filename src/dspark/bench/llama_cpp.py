@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dspark.bench.methods import Measurement
+from dspark.engine.metrics import DecodeTimes, PrefillTimes
 from dspark.sampling_params import SamplingParams
 
 BINARY = "llama-completion"
@@ -124,8 +125,13 @@ class LlamaCppMethod:
         return perf
 
     def run(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Measurement:
+        """The batch's prompts one by one; the phases from llama.cpp's own counters: prompt eval (its pp) and eval
+        runs (its tg, one per output token after the first)."""
         perfs = [self.run_one(p, params) for p in prompts]
-        return Measurement(sum(p.output_tokens for p in perfs), sum(p.wall_s for p in perfs), None, None, len(prompts))
+        decode = sum((DecodeTimes(p.eval_runs, 0.0, p.eval_ms / 1000, p.eval_ms / 1000) for p in perfs), DecodeTimes())
+        prefill = sum((PrefillTimes(1, p.prompt_tokens, p.prompt_ms / 1000) for p in perfs), PrefillTimes())
+        tokens, wall = sum(p.output_tokens for p in perfs), sum(p.wall_s for p in perfs)
+        return Measurement(tokens, wall, None, decode, len(prompts), prefill)
 
     def notes(self) -> list[str]:
         if not self.prompt_mismatches:

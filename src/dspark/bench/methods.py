@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from dspark.bench.acceptance import SpecCounters
-from dspark.engine.metrics import DecodeTimes
+from dspark.engine.metrics import DecodeTimes, PrefillTimes
 from dspark.sampling_params import SamplingParams
 
 
@@ -20,6 +20,7 @@ class Measurement:
     counters: SpecCounters | None  # None: the method has no speculative counters (AR baselines outside our engine)
     decode: DecodeTimes | None = None  # our engine's decode-phase times (τ-bound), None for other stacks
     requests: int = 0  # prompts in the batch (each one's first token comes from its prefill, not the decode phase)
+    prefill: PrefillTimes | None = None  # the prefill phase's seconds and prompt tokens (our engine, llama.cpp)
 
 
 class Method(Protocol):
@@ -48,12 +49,13 @@ class EngineMethod:
         from dspark.llm import LLM
 
         m = self.engine.metrics
-        tokens0, spec0, decode0 = m.generation_tokens, SpecCounters.of(m.spec), m.decode
+        tokens0, spec0, decode0, prefill0 = m.generation_tokens, SpecCounters.of(m.spec), m.decode, m.prefill
         t0 = time.perf_counter()
         LLM.from_engine(self.engine).generate([list(p) for p in prompts], params)
         wall = time.perf_counter() - t0
         counters = SpecCounters.of(m.spec) - spec0 if self.engine.spec is not None else None
-        return Measurement(m.generation_tokens - tokens0, wall, counters, m.decode - decode0, len(prompts))
+        delta = m.generation_tokens - tokens0
+        return Measurement(delta, wall, counters, m.decode - decode0, len(prompts), m.prefill - prefill0)
 
     def close(self) -> None:
         pass

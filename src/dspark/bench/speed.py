@@ -34,7 +34,7 @@ from dspark.config import (
     SpeculativeConfig,
     TargetConfig,
 )
-from dspark.engine.metrics import DecodeTimes, tau_bound
+from dspark.engine.metrics import DecodeTimes, PrefillTimes, tau_bound
 from dspark.models.families import family_of
 from dspark.models.loading import read_draft_config
 from dspark.models.spec import one_read_per_model
@@ -89,6 +89,8 @@ RESULT_KEYS = (
     "tau_bound",
     "decode_speedup_vs_ar",
     "grammar_ms_per_step",
+    "prefill_tokens_per_s",
+    "decode_tokens_per_s",
 )
 
 
@@ -114,6 +116,10 @@ class BenchRow:
     decode_speedup_vs_ar: float | None = None
     # --json-object: the grammar masks' share of a decode step (every verified row masked), our engine only
     grammar_ms_per_step: float | None = None
+    # per phase (our engine and llama.cpp, from their own counters): prompt tokens computed per prefill second, and
+    # output tokens after each request's first per decode second (llama.cpp's pp and tg)
+    prefill_tokens_per_s: float | None = None
+    decode_tokens_per_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -193,6 +199,8 @@ def rows_from_measurements(parts: dict[str, list[Measurement]], cell: Cell) -> l
                 tau_bound=bound,
                 decode_speedup_vs_ar=rate_d / ar_decode_rate if rate_d and ar_decode_rate else None,
                 grammar_ms_per_step=1e3 * decode.grammar_s / decode.steps if decode and decode.grammar_s else None,
+                prefill_tokens_per_s=prefill_rate(ms),
+                decode_tokens_per_s=rate_d,
             )
         )
     return rows
@@ -206,6 +214,35 @@ def decode_rate(ms: list[Measurement]) -> float | None:
         return None
     first_tokens = sum(m.requests for m in ms)
     return max(0, sum(m.output_tokens for m in ms) - first_tokens) / decode.total_s
+
+
+def phase_notes(rows: Sequence[BenchRow]) -> list[str]:
+    """Per cell with a llama.cpp row: each of our methods' prefill and decode rates over llama.cpp's (its pp and tg
+    from its own counters, the same prompts), phase by phase: a whole-request ratio never stands in for either."""
+    notes = []
+    for peer in (r for r in rows if r.name == LLAMA_CPP):
+        ours = [r for r in rows if (r.dataset, r.temperature, r.concurrency) == (peer.dataset, peer.temperature,
+                                                                                 peer.concurrency)]  # fmt: skip
+        parts = []
+        for r in (r for r in ours if r.name not in PEER_METHODS and r.decode_tokens_per_s is not None):
+            pre = _ratio(r.prefill_tokens_per_s, peer.prefill_tokens_per_s)
+            dec = _ratio(r.decode_tokens_per_s, peer.decode_tokens_per_s)
+            whole = _ratio(r.tokens_per_s, peer.tokens_per_s)
+            parts.append(f"{r.name} prefill {pre}, decode {dec}, whole request {whole}")
+        if parts:
+            cell = f"{peer.dataset} T={peer.temperature:g}"
+            notes.append(f"per phase against {LLAMA_CPP} ({cell}, ours / theirs): " + "; ".join(parts))
+    return notes
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "–"
+
+
+def prefill_rate(ms: list[Measurement]) -> float | None:
+    """Prompt tokens computed per second of the prefill phase; None for stacks that do not report it."""
+    parts = [m.prefill for m in ms if m.prefill is not None]
+    return sum(parts, PrefillTimes()).tokens_per_s if parts else None
 
 
 def _decode_sum(ms: list[Measurement]) -> DecodeTimes | None:
@@ -472,6 +509,7 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
     for n in (n for n in names if n in PEER_METHODS):
         labels += _measure_peer(n, all_cells, measured, cfg, res, k, max_len, notes)
     rows = [r for cell, parts in zip(all_cells, measured) for r in rows_from_measurements(parts, cell)]
+    notes += phase_notes(rows)
     config = _report_config(cfg, res, k, len(prompts), labels) | {"precision": precision.to_json()}
     return BenchReport(config, rows, notes)
 
@@ -662,7 +700,8 @@ def _fmt(v: float | None, spec: str) -> str:
 
 def markdown_table(rows: Sequence[BenchRow], max_positions: int = 8) -> str:
     head = (
-        "| method | dataset | T | conc | prompts | out tok | tok/s | speed-up | decode speed-up | τ-bound | τ "
+        "| method | dataset | T | conc | prompts | out tok | tok/s | speed-up | prefill tok/s | decode tok/s "
+        "| decode speed-up | τ-bound | τ "
         "| verify rate "
         "| per-position acceptance |"
     )
@@ -675,6 +714,7 @@ def markdown_table(rows: Sequence[BenchRow], max_positions: int = 8) -> str:
         lines.append(
             f"| {r.name} | {r.dataset} | {r.temperature:g} | {r.concurrency} | {r.num_prompts} | {r.output_tokens} "
             f"| {r.tokens_per_s:.1f} | {r.speedup_vs_ar:.2f}x "
+            f"| {_fmt(r.prefill_tokens_per_s, '.1f')} | {_fmt(r.decode_tokens_per_s, '.1f')} "
             f"| {_fmt(r.decode_speedup_vs_ar, '.2f')}{'x' if r.decode_speedup_vs_ar else ''} "
             f"| {_fmt(r.tau_bound, '.2f')}{'x' if r.tau_bound else ''} "
             f"| {_fmt(r.acceptance_length, '.2f')} "

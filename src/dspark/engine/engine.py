@@ -411,6 +411,12 @@ class Engine:
             self.guard.observe(len(decodes), drafting, emitted, t3 - t0)
 
     def _prefill(self, chunks: list[PrefillChunk]) -> None:
+        t0 = time.perf_counter()
+        self._prefill_chunks(chunks)
+        tokens = sum(c.end - c.start for c in chunks)
+        self.metrics.prefill = self.metrics.prefill.plus(tokens, time.perf_counter() - t0)
+
+    def _prefill_chunks(self, chunks: list[PrefillChunk]) -> None:
         reqs = [c.request for c in chunks]
         tokens = [c.request.all_ids[c.start : c.end] for c in chunks]
         every_row = any(r.params.prompt_logprobs is not None for r in reqs)

@@ -82,6 +82,29 @@ class SpecDecodingMetrics:
 
 
 @dataclass(frozen=True)
+class PrefillTimes:
+    """Wall seconds of the prefill phase (prompt chunks through the target, each finished prompt's first token
+    sampled) and the prompt tokens it computed (cached prefix tokens excluded). Snapshots subtract."""
+
+    steps: int = 0
+    tokens: int = 0
+    total_s: float = 0.0
+
+    def plus(self, tokens: int, total_s: float) -> PrefillTimes:
+        return self + PrefillTimes(1, tokens, total_s)
+
+    def __sub__(self, o: PrefillTimes) -> PrefillTimes:
+        return self + PrefillTimes(-o.steps, -o.tokens, -o.total_s)
+
+    def __add__(self, o: PrefillTimes) -> PrefillTimes:
+        return PrefillTimes(self.steps + o.steps, self.tokens + o.tokens, self.total_s + o.total_s)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens / self.total_s if self.total_s > 0 else None
+
+
+@dataclass(frozen=True)
 class DecodeTimes:
     """Wall seconds of the decode phase (one per engine step that decodes), split into proposing the drafts
     (drafter pass + Markov loop, or n-gram lookup) and the target's verify forward. Snapshots subtract."""
@@ -151,6 +174,7 @@ class EngineMetrics:
     spec: SpecDecodingMetrics = field(default_factory=SpecDecodingMetrics)
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     decode: DecodeTimes = field(default_factory=DecodeTimes)
+    prefill: PrefillTimes = field(default_factory=PrefillTimes)
     num_requests_finished: int = 0
     num_requests_aborted: int = 0
     num_requests_failed: int = 0  # finished with an error (see Engine._isolated)
