@@ -65,6 +65,25 @@ void pack_group(const uint8_t* rows, int64_t row_bytes, int64_t nb, uint8_t* out
   }
 }
 
+// Software prefetch of a unit's bytes kPrefetchBytes ahead: every cache line of it for tiles of kPrefetchAllRows rows
+// or more (products bound by arithmetic; measured on AVX-512: 8-row products 17 % faster than with one line per
+// unit), one line for fewer rows (bound by memory: the hardware prefetcher follows the stream, and more requests made
+// 1-row products slower). The AVX2 path's arithmetic is heavier: every line from one row on.
+#if defined(DSPARK_VNNI512)
+constexpr int kPrefetchAllRows = 4;
+#else
+constexpr int kPrefetchAllRows = 1;
+#endif
+
+template <int MT, int QT>
+inline void prefetch_unit(const uint8_t* u) {
+  if constexpr (MT >= kPrefetchAllRows) {
+    for (int64_t off = 0; off < kUnitBytes<QT>; off += 64) prefetch_ahead(u + off);
+  } else {
+    prefetch_ahead(u);
+  }
+}
+
 // The activation rows quantized per block: int8 values (natural order), scale and offset factor per block.
 struct PackedAct {
   std::vector<int8_t> q;  // [M, K]
@@ -108,7 +127,7 @@ inline void packed_sums(const uint8_t* group, const PackedTile& a, __m512* out) 
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.nb; ++b) {
     const uint8_t* u = group + b * kUnitBytes<QT>;
-    prefetch_ahead(u);
+    prefetch_unit<MT, QT>(u);
     __m512i w[8];
     for (int k = 0; k < QB / 64; ++k) {
       const __m512i v = _mm512_loadu_si512(u + 64 * k);
@@ -153,65 +172,75 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-// Σ q_w·q_x of one block for the 8 outputs of half h (lanes 8h .. 8h+7 of each chunk)
-template <int QT>
-inline __m256i half_dot(const __m256i* w, const __m256i* wabs, const int8_t* xq) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (QT == Q8_0) {  // |w| · sign(x, w): each pair sum ≤ 2·128·127, summed in int32
-    __m256i s = _mm256_setzero_si256();
-    for (int k = 0; k < 8; ++k) {
-      const __m256i p = _mm256_maddubs_epi16(wabs[k], _mm256_sign_epi8(bcast4(xq + 4 * k), w[k]));
-      s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
-    }
-    return s;
-  } else {  // nibbles: eight pair sums of ≤ 2·15·127 stay within int16
-    __m256i p = _mm256_maddubs_epi16(w[0], bcast4(xq));
-    for (int k = 1; k < 8; ++k) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[k], bcast4(xq + 4 * k)));
-    return _mm256_madd_epi16(p, ones);
-  }
-}
-
-template <int MT, int QT>
-inline void packed_half(const uint8_t* group, const PackedTile& a, int h, __m256* acc) {
-  constexpr int64_t QB = kQuantBytes<QT>;
-  const __m256i low4 = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < a.nb; ++b) {
-    const uint8_t* u = group + b * kUnitBytes<QT>;
-    prefetch_ahead(u + 32 * h);
-    __m256i w[8], wabs[8];
-    for (int k = 0; k < QB / 64; ++k) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 64 * k + 32 * h));
-      if constexpr (QT == Q8_0) {
-        w[k] = _mm256_xor_si256(v, flip);  // signed again
-        wabs[k] = _mm256_sign_epi8(w[k], w[k]);
-      } else {
-        w[k] = _mm256_and_si256(v, low4);
-        w[k + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-      }
-    }
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u + QB + 16 * h)));
-    const __m256 cw = QT == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u + QB + 32 + 16 * h)))
-                                 : dw;
-    for (int m = 0; m < MT; ++m) {
-      const __m256i s = half_dot<QT>(w, wabs, a.q + (m * a.nb + b) * QK);
-      const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a.d[m * a.nb + b]));
-      acc[m] = _mm256_fmadd_ps(f, dw, acc[m]);
-      if constexpr (QT != Q8_0) acc[m] = _mm256_fmadd_ps(cw, _mm256_set1_ps(a.t[m * a.nb + b]), acc[m]);
-    }
-  }
-}
-
+// One pass over a group's blocks for MT activation rows, both 8-output halves of every 64-byte chunk together: the
+// weights stream from memory once while the products run (two passes, one per half, left the second pass's
+// arithmetic unoverlapped with the first's memory reads: ~1.7x the time of one pass at one row). Per block the
+// operands are unpacked once, then per row and half: Σ q_w·q_x in int16 pair sums (Q4: eight pair sums of
+// ≤ 2·15·127 stay within int16; Q8: |w| · sign(x, w), each pair sum ≤ 2·128·127, summed in int32), then the block's
+// float steps in the order of the module doc.
 template <int MT, int QT>
 void packed_group(const uint8_t* group, const PackedTile& a, const float* bias, float* y, int64_t N) {
-  for (int h = 0; h < 2; ++h) {
-    __m256 acc[MT];
-    packed_half<MT, QT>(group, a, h, acc);
+  constexpr int64_t QB = kQuantBytes<QT>;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[MT][2];
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* u = group + b * kUnitBytes<QT>;
+    prefetch_unit<MT, QT>(u);
+    __m256i w[8][2], wabs[8][2];
+    for (int k = 0; k < QB / 64; ++k)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 64 * k + 32 * h));
+        if constexpr (QT == Q8_0) {
+          w[k][h] = _mm256_xor_si256(v, flip);  // signed again
+          wabs[k][h] = _mm256_sign_epi8(w[k][h], w[k][h]);
+        } else {
+          w[k][h] = _mm256_and_si256(v, low4);
+          w[k + 4][h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        }
+      }
+    __m256 dw[2], cw[2];
+    for (int h = 0; h < 2; ++h) {
+      dw[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u + QB + 16 * h)));
+      cw[h] = QT == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u + QB + 32 + 16 * h)))
+                         : dw[h];
+    }
     for (int m = 0; m < MT; ++m) {
-      const __m256 r = bias != nullptr ? _mm256_add_ps(acc[m], _mm256_loadu_ps(bias + 8 * h)) : acc[m];
-      _mm256_storeu_ps(y + m * N + 8 * h, r);
+      const int8_t* xq = a.q + (m * a.nb + b) * QK;
+      __m256i s[2];
+      if constexpr (QT == Q8_0) {
+        s[0] = s[1] = _mm256_setzero_si256();
+        for (int k = 0; k < 8; ++k) {
+          const __m256i x = bcast4(xq + 4 * k);
+          for (int h = 0; h < 2; ++h)
+            s[h] = _mm256_add_epi32(
+                s[h], _mm256_madd_epi16(_mm256_maddubs_epi16(wabs[k][h], _mm256_sign_epi8(x, w[k][h])), ones));
+        }
+      } else {
+        const __m256i x0 = bcast4(xq);
+        __m256i p0 = _mm256_maddubs_epi16(w[0][0], x0), p1 = _mm256_maddubs_epi16(w[0][1], x0);
+        for (int k = 1; k < 8; ++k) {
+          const __m256i x = bcast4(xq + 4 * k);
+          p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(w[k][0], x));
+          p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(w[k][1], x));
+        }
+        s[0] = _mm256_madd_epi16(p0, ones);
+        s[1] = _mm256_madd_epi16(p1, ones);
+      }
+      const __m256 dx = _mm256_set1_ps(a.d[m * a.nb + b]);
+      for (int h = 0; h < 2; ++h) {
+        const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(s[h]), dx);
+        acc[m][h] = _mm256_fmadd_ps(f, dw[h], acc[m][h]);
+        if constexpr (QT != Q8_0) acc[m][h] = _mm256_fmadd_ps(cw[h], _mm256_set1_ps(a.t[m * a.nb + b]), acc[m][h]);
+      }
     }
   }
+  for (int m = 0; m < MT; ++m)
+    for (int h = 0; h < 2; ++h) {
+      const __m256 r = bias != nullptr ? _mm256_add_ps(acc[m][h], _mm256_loadu_ps(bias + 8 * h)) : acc[m][h];
+      _mm256_storeu_ps(y + m * N + 8 * h, r);
+    }
 }
 
 #else
