@@ -24,15 +24,14 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <vector>
 
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vmath.h"
 
 namespace {
 
@@ -88,6 +87,75 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return acc;
 }
 
+// the scores of n ≤ 4 query rows (each d long, back to back from q) against one key: per row the products summed in
+// 16 lanes as dot() sums them, then the four rows' lanes reduced together by one fixed tree (each row's sum is
+// ((l_i + l_i+8) + (l_i+4 + l_i+12)) over i, then (i, i+2), then (i, i+1), whichever slot it has): a quarter of the
+// horizontal work of four dot() calls, and a row's score never depends on the rows beside it
+#if defined(__AVX512F__)
+constexpr bool kDot4 = true;
+inline void dot4(const float* q, int64_t n, const float* k, int64_t d, float* out) {
+  __m512 v[4];
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm512_setzero_ps();
+    if (i < n)
+      for (int64_t e = 0; e < d; e += 16)
+        v[i] = _mm512_add_ps(v[i], _mm512_mul_ps(_mm512_loadu_ps(q + i * d + e), _mm512_loadu_ps(k + e)));
+  }
+  const __m512 t0 = _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x44), _mm512_shuffle_f32x4(v[0], v[1], 0xEE));
+  const __m512 t1 = _mm512_add_ps(_mm512_shuffle_f32x4(v[2], v[3], 0x44), _mm512_shuffle_f32x4(v[2], v[3], 0xEE));
+  __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(t0, t1, 0x88), _mm512_shuffle_f32x4(t0, t1, 0xDD));
+  u = _mm512_add_ps(u, _mm512_permute_ps(u, 0x4E));  // (i, i+2)
+  u = _mm512_add_ps(u, _mm512_permute_ps(u, 0xB1));  // (i, i+1)
+  out[0] = _mm_cvtss_f32(_mm512_castps512_ps128(u));  // lane 0 of each 128-bit block (no store and reload)
+  if (n > 1) out[1] = _mm_cvtss_f32(_mm512_extractf32x4_ps(u, 1));
+  if (n > 2) out[2] = _mm_cvtss_f32(_mm512_extractf32x4_ps(u, 2));
+  if (n > 3) out[3] = _mm_cvtss_f32(_mm512_extractf32x4_ps(u, 3));
+}
+#else
+constexpr bool kDot4 = false;
+inline void dot4(const float*, int64_t, const float*, int64_t, float*) {}
+#endif
+
+// a key (or value) row as fp32: in place when the pool is fp32, else converted into buf
+inline const float* key_row(const float* src, float*, int64_t) { return src; }
+template <typename T>
+inline const float* key_row(const T* src, float* buf, int64_t n) {
+  to_float(src, buf, n);
+  return buf;
+}
+
+// x[s] = exp(x[s] − mx), 0 where x[s] is −inf (a hidden key): each element alone through vmath.h's vector exp where
+// the CPU has one (the same bits on AVX-512 and AVX2), so a row's weights never depend on the other rows of the call
+inline void exp_shifted(float* x, int64_t n, float mx) {
+  int64_t s = 0;
+#if defined(__AVX512F__)
+  const __m512 m = _mm512_set1_ps(mx), ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (; s < n; s += 16) {
+    const __mmask16 k = n - s >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - s)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(k, x + s);
+    const __mmask16 hidden = _mm512_cmp_ps_mask(v, ninf, _CMP_EQ_OQ);
+    _mm512_mask_storeu_ps(x + s, k, _mm512_maskz_mov_ps(~hidden, exp16(_mm512_sub_ps(v, m))));
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 m = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (; s + 8 <= n; s += 8) {
+    const __m256 v = _mm256_loadu_ps(x + s);
+    const __m256 visible = _mm256_cmp_ps(v, ninf, _CMP_NEQ_OQ);
+    _mm256_storeu_ps(x + s, _mm256_and_ps(visible, exp8(_mm256_sub_ps(v, m))));
+  }
+  if (s < n) {  // the tail through the same lanes' code
+    alignas(32) float t[8];
+    std::fill(t, t + 8, -std::numeric_limits<float>::infinity());
+    std::memcpy(t, x + s, sizeof(float) * (n - s));
+    const __m256 v = _mm256_load_ps(t);
+    _mm256_store_ps(t, _mm256_and_ps(_mm256_cmp_ps(v, ninf, _CMP_NEQ_OQ), exp8(_mm256_sub_ps(v, m))));
+    std::memcpy(x + s, t, sizeof(float) * (n - s));
+    s = n;
+  }
+#endif
+  for (; s < n; ++s) x[s] = std::isinf(x[s]) ? 0.f : std::exp(x[s] - mx);
+}
+
 template <typename T>
 void attend(const T* q, const T* plane, const int64_t* slots, const float* bias, T* out, int64_t B, int64_t H,
             int64_t T_, int64_t S, int64_t d, int64_t dv, int64_t W, int64_t n_kv, int64_t k_off, int64_t v_off,
@@ -106,34 +174,45 @@ void attend(const T* q, const T* plane, const int64_t* slots, const float* bias,
       for (int64_t e = 0; e < R * d; ++e) qf[e] *= scale;
       const int64_t* sl = slots + b * S;
       const float* bb = bias + b * T_ * S;
-      // pass 1: every key row once (all heads), scores of every query row
+      // pass 1: every key row once (all heads, read in place when fp32), scores of every query row: the rows of a KV
+      // head four at a time (dot4) where the head size allows, else one by one
       for (int64_t s = 0; s < S; ++s) {
-        to_float(plane + sl[s] * W + k_off, row.data(), n_kv * d);
-        for (int64_t r = 0; r < R; ++r) {
-          const float m = bb[row_t[r] * S + s];
-          const float* k = row.data() + row_kv[r] * d;
-          scores[r * S + s] = std::isinf(m) ? -std::numeric_limits<float>::infinity() : dot(qf.data() + r * d, k, d) + m;
+        const float* keys = key_row(plane + sl[s] * W + k_off, row.data(), n_kv * d);
+        for (int64_t j = 0; j < n_kv; ++j) {
+          const float* k = keys + j * d;
+          const int64_t r1 = (j + 1) * g * T_;
+          for (int64_t r = j * g * T_; r < r1; r += 4) {
+            float dots[4];
+            const int64_t n = std::min<int64_t>(4, r1 - r);
+            if (kDot4 && d % 16 == 0) {
+              dot4(qf.data() + r * d, n, k, d, dots);
+            } else {
+              for (int64_t i = 0; i < n; ++i) dots[i] = dot(qf.data() + (r + i) * d, k, d);
+            }
+            for (int64_t i = 0; i < n; ++i) {
+              const float m = bb[row_t[r + i] * S + s];
+              scores[(r + i) * S + s] = std::isinf(m) ? -std::numeric_limits<float>::infinity() : dots[i] + m;
+            }
+          }
         }
       }
       for (int64_t r = 0; r < R; ++r) {
         float* sr = scores.data() + r * S;
         float mx = -std::numeric_limits<float>::infinity();
         for (int64_t s = 0; s < S; ++s) mx = std::max(mx, sr[s]);
+        exp_shifted(sr, S, mx);
         float sum = 0.f;
-        for (int64_t s = 0; s < S; ++s) {
-          sr[s] = std::isinf(sr[s]) ? 0.f : std::exp(sr[s] - mx);
-          sum += sr[s];
-        }
+        for (int64_t s = 0; s < S; ++s) sum += sr[s];
         denom[r] = sum;
       }
       // pass 2: every value row once, weighted into every query row
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t s = 0; s < S; ++s) {
-        to_float(plane + sl[s] * W + v_off, row.data(), n_kv * dv);
+        const float* values = key_row(plane + sl[s] * W + v_off, row.data(), n_kv * dv);
         for (int64_t r = 0; r < R; ++r) {
           const float w = scores[r * S + s];
           if (w == 0.f) continue;
-          const float* v = row.data() + row_kv[r] * dv;
+          const float* v = values + row_kv[r] * dv;
           float* a = acc.data() + r * dv;
 #pragma omp simd
           for (int64_t e = 0; e < dv; ++e) a[e] += w * v[e];
