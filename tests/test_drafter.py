@@ -96,6 +96,52 @@ def test_serial_markov_with_forced_tokens_equals_teacher_forced(head_type):
     assert torch.equal(sample.tokens, gt)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduced", [False, True])
+def test_native_greedy_markov_loop_picks_the_serial_loops_drafts(dtype, reduced):
+    """markov_greedy (one native call) against the serial Python loop with argmax picks: the same drafts in fp32;
+    in bf16 (the correction rounded to W2's dtype, summed in another order) every draft's corrected logit is within
+    one bf16 step of the slot's maximum. A reduced vocabulary maps indices to target ids."""
+    from dspark import native
+
+    if native.ops() is None:
+        pytest.skip(f"native kernels: {native.status()}")
+    torch.manual_seed(0)
+    V, r, B, Kd = 300, 16, 5, 6
+    head = MarkovHead(V, r, 16, "vanilla")
+    randomize_(head, 1, 0.5)
+    head.to(dtype)
+    ids = torch.randperm(V)[:120] if reduced else None
+    w2 = None
+    if reduced:
+        from dspark.spec.draft_vocab import _rows
+
+        w2 = _rows(head.markov_w2.weight, ids)
+    N = V if ids is None else ids.shape[0]
+    base = torch.randn(B, Kd, N) * 3
+    anchor = torch.randint(0, V, (B,))
+    picks = []
+
+    def pick(corrected, k):
+        index = corrected.argmax(-1)
+        picks.append(corrected)
+        return index if ids is None else ids[index]
+
+    with torch.inference_mode():
+        got = head.greedy_tokens(base, anchor, w2, ids)
+        ref = head.sample(base, torch.zeros(B, Kd, 16, dtype=dtype), anchor, pick, None, w2).tokens
+    assert got is not None and got.shape == (B, Kd)
+    if dtype == torch.float32:
+        assert torch.equal(got, ref)
+    else:  # the first slot's correction reads the same W1 row in both: the chosen logit is (near) the maximum
+        corrected = picks[0]
+        index = got[:, 0] if ids is None else torch.tensor([ids.tolist().index(t) for t in got[:, 0].tolist()])
+        chosen = corrected.gather(1, index[:, None])[:, 0]
+        assert bool((corrected.max(-1).values - chosen <= corrected.abs().max() * 2**-7).all())
+    head.head_type = "gated"
+    assert head.greedy_tokens(base, anchor, w2, ids) is None  # other heads keep the serial loop
+
+
 def test_markov_topk_restricts_q_to_base_candidates():
     torch.manual_seed(0)
     head = MarkovHead(50, 8, 16)

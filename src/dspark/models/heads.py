@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import dspark.native as native
 from dspark.models.packing import Linear
 
 # pick(corrected_logits [B, V], slot k) -> tokens [B]
@@ -75,6 +76,28 @@ class MarkovHead(nn.Module):
             feats, state = self._mix(e[..., k, :], hidden[..., k, :], state)
             biases.append(F.linear(feats, w2))
         return base_logits + torch.stack(biases, -2).to(base_logits.dtype), e
+
+    def greedy_tokens(
+        self,
+        base_logits: torch.Tensor,
+        anchor: torch.Tensor,
+        w2: nn.Module | None = None,
+        ids: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """The serial greedy loop of ``sample`` (argmax at every slot, ``ids`` mapping a reduced vocabulary's index
+        to the target id) as one native call (``markov_greedy``, dspark/native/markov.cpp): drafts [B, K], or None
+        where it does not apply (another head type, grad mode, no native kernels, a W2 that is not a dense
+        Linear); then ``sample`` runs."""
+        w2 = self.markov_w2 if w2 is None else w2
+        weight = w2.__dict__.get("_parameters", {}).get("weight") if isinstance(w2, nn.Linear) else None
+        ops = native.inference_ops()
+        if self.head_type != "vanilla" or weight is None or ops is None or not hasattr(ops, "markov_greedy"):
+            return None
+        w1 = self.markov_w1.weight
+        if base_logits.device.type != "cpu" or w1.dtype != weight.dtype:
+            return None
+        base = base_logits.float().contiguous()
+        return ops.markov_greedy(base, w1.contiguous(), weight.contiguous(), anchor.long().contiguous(), ids)
 
     def sample(
         self,

@@ -104,7 +104,10 @@ def draft_block(
     with scope("draft.markov"):
         if head is not None:
             w2 = None if vocab is None else vocab.markov_w2
-            tokens = head.sample(base, hidden, anchors, pick, topk, w2).tokens
+            greedy = u is None and (topk is None or topk >= base.shape[-1])  # argmax picks, no top-k restriction
+            tokens = head.greedy_tokens(base, anchors, w2, None if vocab is None else vocab.ids) if greedy else None
+            if tokens is None:
+                tokens = head.sample(base, hidden, anchors, pick, topk, w2).tokens
         else:  # DFlash: base logits only
             tokens = torch.stack([pick(base[:, k], k) for k in range(K)], 1)
     with scope("draft.confidence"):
