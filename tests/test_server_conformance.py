@@ -196,11 +196,11 @@ def test_schemathesis_finds_nothing(server, tmp_path):
     _fuzz(*server, tmp_path)
 
 
-@pytest.mark.parametrize("model", ["kimi-k3-mini"])
-def test_schemathesis_finds_nothing_on_the_other_bundled_models(model, tmp_path):
+@pytest.mark.parametrize("model, max_model_len", [("kimi-k3-mini", MAX_MODEL_LEN), ("smollm2-135m-instruct", 64)])
+def test_schemathesis_finds_nothing_on_the_other_bundled_models(model, max_model_len, tmp_path):
     """The schema states each served model's limits (vocabulary, context, the roles its template renders): the
-    default pair passes the same run. (SmolLM2 does not yet: its chat template's default system turn alone is
-    longer than the fuzzing context, so most chat bodies are refused for length, which the schema cannot state.)"""
+    default pair and SmolLM2 pass the same run. SmolLM2 gets a 64-token context: its chat template's default system
+    turn alone is ~20 tokens, so a 20-token context would refuse every chat body for length."""
     from dspark.checkpoint.resolve import resolve_model_ref
     from dspark.config import ConfigError
 
@@ -211,7 +211,7 @@ def test_schemathesis_finds_nothing_on_the_other_bundled_models(model, tmp_path)
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
     spec = {"method": "dspark", "num_speculative_tokens": 2}  # the drafter shipped for the model
-    engine = build_engine(model, spec, max_model_len=MAX_MODEL_LEN, max_num_seqs=2)
+    engine = build_engine(model, spec, max_model_len=max_model_len, max_num_seqs=2)
     try:
         with serving(engine) as url:
             _fuzz(url, engine, tmp_path)
