@@ -2,7 +2,7 @@
 (kimi-k3-mini, bf16 where the CPU has it) and SmolLM2 (its GGUF in the int8 arithmetic), each served with and without
 DSpark. At T=0 the speculative server answers exactly what the plain one does: the same tokens, the same logprobs
 (top-k included, streamed or not), the same prompt log-likelihoods; a +100 logit_bias makes its token the first
-generated; n samples come back; a json_object answer parses. The tiny-pair suites (test_serve_sampling.py,
+generated; n samples come back; a json_object answer parses and a json_schema answer validates. The tiny-pair suites (test_serve_sampling.py,
 test_structured_outputs.py) test each rule in depth; this one checks that the real models' paths are wired to them."""
 
 from __future__ import annotations
@@ -98,3 +98,19 @@ def test_logit_bias_n_and_json_object(servers):
         assert isinstance(json.loads(choice.message.content), dict)
     else:
         assert choice.message.content.lstrip().startswith("{")
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    typed = client(url).chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Is 2+2 four? Answer as JSON."}],
+        max_tokens=48,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+    )
+    assert typed.choices[0].finish_reason == "stop", typed.choices[0].message.content
+    got = json.loads(typed.choices[0].message.content)
+    assert set(got) == {"ok", "n"} and isinstance(got["ok"], bool) and got["n"] in range(10)
