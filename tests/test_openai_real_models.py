@@ -2,8 +2,9 @@
 (kimi-k3-mini, bf16 where the CPU has it) and SmolLM2 (its GGUF in the int8 arithmetic), each served with and without
 DSpark. At T=0 the speculative server answers exactly what the plain one does: the same tokens, the same logprobs
 (top-k included, streamed or not), the same prompt log-likelihoods; a +100 logit_bias makes its token the first
-generated; n samples come back; a json_object answer parses and a json_schema answer validates. The tiny-pair suites (test_serve_sampling.py,
-test_structured_outputs.py) test each rule in depth; this one checks that the real models' paths are wired to them."""
+generated; n samples come back; a json_object answer parses and a json_schema answer validates. The tiny-pair
+suites (test_serve_sampling.py, test_structured_outputs.py) test each rule in depth; this one checks that the real
+models' paths are wired to them."""
 
 from __future__ import annotations
 
