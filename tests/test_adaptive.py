@@ -15,7 +15,7 @@ from dspark.engine.engine import AdaptivePolicy, Engine, load_adaptive
 from dspark.llm import LLM, build_engines, engine_configs
 from dspark.models.tiny import build_tiny_pair, tiny_draft_config, tiny_target_config, write_tiny_pair
 from dspark.sampling_params import SamplingParams
-from dspark.spec.schedule import SpsTable, default_cost_model, save_sts
+from dspark.speculative.schedule import SpsTable, default_cost_model, save_sts
 from dspark.train.calibrate import collect
 
 # Algorithm 1 picks 0, 1 and 2 drafts under this table on the tiny pairs (the anchor slot is cheap next to the

@@ -26,7 +26,7 @@ from dspark.engine.metrics import SpecDecodingMetrics
 from dspark.llm import LLM
 from dspark.models.tiny import build_tiny_pair, write_tiny_pair
 from dspark.sampling_params import SamplingParams
-from dspark.spec.propose import Proposal
+from dspark.speculative.propose import Proposal
 
 
 def measure_cell(methods, cell: Cell, params: SamplingParams):
@@ -223,7 +223,7 @@ def _check_row_types(row):
 
 def test_bench_cli_end_to_end_writes_schema_json_and_png(tmp_path, capsys):
     from dspark.cli import main
-    from dspark.spec.schedule import save_sts
+    from dspark.speculative.schedule import save_sts
 
     target_dir, draft_dir = write_tiny_pair(tmp_path / "pair")
     save_sts(draft_dir / "sts_calibration.json", [1.0] * 7)  # enables dspark-adaptive

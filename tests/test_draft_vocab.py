@@ -11,7 +11,7 @@ from dspark.engine.engine import Engine
 from dspark.llm import LLM
 from dspark.models.tiny import build_tiny_pair, tiny_draft_config, tiny_target_config, write_tiny_pair
 from dspark.sampling_params import SamplingParams
-from dspark.spec.draft_vocab import DRAFT_VOCAB_FILE, DraftVocab, main, rank_tokens, read_draft_vocab
+from dspark.speculative.draft_vocab import DRAFT_VOCAB_FILE, DraftVocab, main, rank_tokens, read_draft_vocab
 
 FP32 = EngineConfig(dtype="float32", max_num_seqs=8)
 

@@ -114,7 +114,7 @@ def test_native_greedy_markov_loop_picks_the_serial_loops_drafts(dtype, reduced)
     ids = torch.randperm(V)[:120] if reduced else None
     w2 = None
     if reduced:
-        from dspark.spec.draft_vocab import _rows
+        from dspark.speculative.draft_vocab import _rows
 
         w2 = _rows(head.markov_w2.weight, ids)
     N = V if ids is None else ids.shape[0]

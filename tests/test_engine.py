@@ -12,8 +12,8 @@ from dspark.engine.runner import ModelRunner
 from dspark.llm import LLM
 from dspark.models.tiny import build_tiny_pair, tiny_draft_config, tiny_target_config
 from dspark.sampling_params import SamplingParams
-from dspark.spec.propose import Proposal
-from dspark.spec.sampling import process_logits
+from dspark.speculative.propose import Proposal
+from dspark.speculative.sampling import process_logits
 
 FP32 = EngineConfig(dtype="float32", max_num_seqs=8)
 
@@ -238,7 +238,7 @@ def test_unknown_speculative_key_is_an_error():
 
 def test_statistical_test_has_power(monkeypatch):
     """Sampling the correction from p instead of normalize(max(p - q, 0)) must be detected."""
-    from dspark.spec import verify
+    from dspark.speculative import verify
 
     original = verify.residual_sample
     monkeypatch.setattr(

@@ -13,7 +13,7 @@ from dspark.engine.engine import Engine
 from dspark.llm import LLM
 from dspark.models.tiny import build_tiny_pair
 from dspark.sampling_params import SamplingParams
-from dspark.spec.guard import SpeculationGuard
+from dspark.speculative.guard import SpeculationGuard
 
 
 def _drive(guard: SpeculationGuard, steps: int, draft_rate: float, plain_rate: float, batch: int = 1) -> list[bool]:

@@ -9,7 +9,7 @@ from dspark.engine.engine import Engine
 from dspark.llm import LLM
 from dspark.models.tiny import build_tiny_hybrid_pair, tiny_draft_config, tiny_hybrid_config
 from dspark.sampling_params import SamplingParams
-from dspark.spec.propose import Proposal
+from dspark.speculative.propose import Proposal
 from test_engine import _chi_square, _exact_two_token_distribution, prompts_for
 
 FP32 = EngineConfig(dtype="float32", max_num_seqs=8)
@@ -179,7 +179,7 @@ def test_greedy_adaptive_verification_equals_target_only(tmp_path):
 
     from dspark.llm import build_engines, engine_configs
     from dspark.models.tiny import write_tiny_hybrid_pair
-    from dspark.spec.schedule import default_cost_model, save_sts
+    from dspark.speculative.schedule import default_cost_model, save_sts
 
     k = 5
     target_dir, draft_dir = write_tiny_hybrid_pair(tmp_path, seed=2)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import dspark.spec.processing as processing
+import dspark.speculative.processing as processing
 from dspark.config import CacheConfig, EngineConfig, SpeculativeConfig
 from dspark.engine.engine import Engine
 from dspark.llm import LLM

@@ -16,8 +16,8 @@ from dspark.engine.runner import ModelRunner
 from dspark.llm import LLM
 from dspark.models.tiny import build_tiny_gqa_pair, build_tiny_pair, tiny_draft_config, tiny_target_config
 from dspark.sampling_params import SamplingParams
-from dspark.spec.propose import SamplingTensors
-from dspark.spec.rng import round_counters
+from dspark.speculative.propose import SamplingTensors
+from dspark.speculative.rng import round_counters
 
 ORIGINAL = 64  # the tiny pairs' original window; YaRN factor 8 stretches it to 512 positions
 

@@ -82,7 +82,7 @@ def test_check_reads_each_config_once(config_opens: Counter[str], capsys: pytest
 
 def test_one_spec_per_model_within_a_command_and_a_fresh_read_outside(tmp_path: Path) -> None:
     from dspark.models.families import DSPARK, MLA, family_of
-    from dspark.models.spec import model_spec, one_read_per_model
+    from dspark.models.model_spec import model_spec, one_read_per_model
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
     assert model_spec(tmp_path) is not model_spec(tmp_path)  # no command: every call reads, as a plain read would

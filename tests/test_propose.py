@@ -7,7 +7,7 @@ from dspark.config import EngineConfig, SpeculativeConfig
 from dspark.engine.engine import Engine
 from dspark.models.tiny import build_tiny_pair, tiny_draft_config, tiny_target_config
 from dspark.sampling_params import SamplingParams
-from dspark.spec.propose import ngram_lookup
+from dspark.speculative.propose import ngram_lookup
 
 
 def _prefilled_engine(block_size):

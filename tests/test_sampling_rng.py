@@ -1,4 +1,5 @@
-"""Counter-based RNG (dspark.spec.rng) and logit processing / inverse-CDF sampling (dspark.spec.sampling)."""
+"""Counter-based RNG (dspark.speculative.rng) and logit processing / inverse-CDF sampling
+(dspark.speculative.sampling)."""
 
 import math
 
@@ -6,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.spec.rng import MAX_SLOTS, Stream, round_counters, uniforms
-from dspark.spec.sampling import GREEDY_EPS, greedy, process_logits, sample_inverse_cdf
+from dspark.speculative.rng import MAX_SLOTS, Stream, round_counters, uniforms
+from dspark.speculative.sampling import GREEDY_EPS, greedy, process_logits, sample_inverse_cdf
 
 
 def chi2_pvalue(observed: torch.Tensor, expected: torch.Tensor, dof_lost: int = 1) -> float:

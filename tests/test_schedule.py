@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dspark.spec.schedule import (
+from dspark.speculative.schedule import (
     SpsTable,
     auroc,
     brier,
@@ -28,7 +28,7 @@ from dspark.spec.schedule import (
 
 
 def test_module_imports_only_the_standard_library():
-    import dspark.spec.schedule as mod
+    import dspark.speculative.schedule as mod
 
     tree = ast.parse(open(mod.__file__).read())
     names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}

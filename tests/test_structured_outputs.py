@@ -15,7 +15,7 @@ from dspark.engine.engine import Engine, EngineError  # noqa: E402
 from dspark.llm import LLM  # noqa: E402
 from dspark.models.tiny import build_tiny_pair, tiny_target_config  # noqa: E402
 from dspark.sampling_params import SamplingParams, SamplingParamsError, StructuredOutput  # noqa: E402
-from dspark.spec.propose import Proposal  # noqa: E402
+from dspark.speculative.propose import Proposal  # noqa: E402
 from test_engine import _oracle_proposer  # noqa: E402
 
 FP32 = EngineConfig(dtype="float32", max_num_seqs=8)
@@ -184,7 +184,7 @@ def test_constrained_sampling_matches_the_masked_target_distribution(pair, rule)
 
 def test_a_grammar_that_ignores_its_rows_is_caught(pair, monkeypatch):
     """The equality above has power: masking every row with the grammar state before the round breaks it."""
-    import dspark.spec.grammar as grammar
+    import dspark.speculative.grammar as grammar
 
     params = SamplingParams(temperature=0, max_tokens=60, structured=CONSTRAINTS["regex"])
     ref, _ = run(pair, None, params)

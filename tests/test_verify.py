@@ -1,4 +1,4 @@
-"""Acceptance rules (dspark.spec.verify): greedy match, token-wise rejection sampling, block verification.
+"""Acceptance rules (dspark.speculative.verify): greedy match, token-wise rejection sampling, block verification.
 
 Losslessness is checked statistically on Markov-chain target and draft models: the first emitted token,
 and the first two jointly, must follow the target chain exactly. Each rule runs on a large vectorised
@@ -11,9 +11,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from dspark.spec.rng import Stream, round_counters, uniforms
-from dspark.spec.sampling import process_logits, sample_inverse_cdf
-from dspark.spec.verify import (
+from dspark.speculative.rng import Stream, round_counters, uniforms
+from dspark.speculative.sampling import process_logits, sample_inverse_cdf
+from dspark.speculative.verify import (
     VerifyResult,
     block_thresholds,
     residual_sample,

@@ -37,7 +37,7 @@ def cmd_roster(args: argparse.Namespace) -> int:
     from dspark.checkpoint.roster import format_roster, roster_json
     from dspark.models.families import MLA
     from dspark.models.loading import read_config_any
-    from dspark.models.spec import resolve_spec
+    from dspark.models.model_spec import resolve_spec
 
     spec = resolve_spec(args.config, role="roster")
     roster = (spec.family or MLA).roster(read_config_any(spec), ())  # no family: DeepSeek-V3's config rejects it
@@ -118,7 +118,7 @@ def _shipped_drafter(model: Path | None, ref: str) -> Path | None:
 
 def cmd_check(args: argparse.Namespace) -> int:
     from dspark.doctor import CheckReport, format_report, report_json, run_checks
-    from dspark.models.spec import one_read_per_model
+    from dspark.models.model_spec import one_read_per_model
 
     problems: list[CheckProblem] = []
     draft = _resolve_for_check(args.draft_dir, "check DRAFT", problems)

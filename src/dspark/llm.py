@@ -33,9 +33,9 @@ from dspark.engine.engine import Engine, RequestOutput, load_adaptive, merge_sam
 from dspark.engine.metrics import EngineMetrics
 from dspark.engine.request import Request
 from dspark.models.loading import choose_draft_quantization, load_drafter, load_target, resolve_precision
-from dspark.models.spec import model_spec, one_read_per_model
+from dspark.models.model_spec import model_spec, one_read_per_model
 from dspark.sampling_params import SamplingParams
-from dspark.spec.guard import SpeculationGuard
+from dspark.speculative.guard import SpeculationGuard
 from dspark.threads import model_key as thread_model_key
 from dspark.tokenizer import load_tokenizer
 

@@ -6,7 +6,7 @@ Logits processing (``logit_bias``, ``min_tokens``, then the repetition / frequen
 names and order) changes the distribution that is sampled and that verification accepts against; ``logprobs`` and
 ``prompt_logprobs`` report the model's raw distribution (log-softmax of the logits, before any processing).
 ``structured`` constrains the output to a JSON schema, a regex, a choice or a grammar (a mask on the same
-distribution; ``spec/grammar.py``)."""
+distribution; ``speculative/grammar.py``)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from dspark.config import RANDOM_WEIGHTS_KEY, ConfigError
 
 if TYPE_CHECKING:
-    from dspark.models.spec import ModelSpec
+    from dspark.models.model_spec import ModelSpec
 
 # vocabulary files any one of which makes a directory a tokenizer directory for AutoTokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -61,7 +61,7 @@ class HFTokenizer:
     """The thin adapter over ``transformers.AutoTokenizer`` the engine and the server use."""
 
     def __init__(self, directory: str | Path | ModelSpec, eos_token_ids: Sequence[int] = ()) -> None:
-        from dspark.models.spec import model_directory
+        from dspark.models.model_spec import model_directory
 
         self.directory = model_directory(directory)
         try:
@@ -159,7 +159,7 @@ class ByteTokenizer:
 def _auto_tokenizer(model: str | Path | ModelSpec) -> Any:
     """AutoTokenizer for a model directory: its spec's (config.json already read, the tokenizer loaded once per
     command), or transformers' own reading when the directory has no usable config.json (a tokenizer-only one)."""
-    from dspark.models.spec import ConfigFileError, model_spec
+    from dspark.models.model_spec import ConfigFileError, model_spec
 
     try:
         spec = model_spec(model)
@@ -182,7 +182,7 @@ def load_tokenizer(
 ) -> HFTokenizer | ByteTokenizer:
     """The model directory's tokenizer (AutoTokenizer). Without tokenizer files only a model marked as explicitly
     random test weights (config.json key ``dspark_random_weights``) gets bytes; anything else is an error."""
-    from dspark.models.spec import model_directory, model_spec
+    from dspark.models.model_spec import model_directory, model_spec
 
     model, directory = directory, model_directory(directory)
     if has_tokenizer(directory):

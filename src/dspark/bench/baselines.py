@@ -23,7 +23,7 @@ from dspark.bench.acceptance import SpecCounters
 from dspark.bench.methods import Measurement
 from dspark.config import TargetConfig
 from dspark.models.loading import torch_dtype
-from dspark.models.spec import model_spec
+from dspark.models.model_spec import model_spec
 from dspark.sampling_params import SamplingParams
 
 VLLM_WORKER = Path(__file__).resolve().parent / "vllm_worker.py"

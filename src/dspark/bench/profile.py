@@ -27,7 +27,7 @@ from dspark.engine.request import Request
 from dspark.models.drafter import DSparkDrafter
 from dspark.models.protocol import Target
 from dspark.sampling_params import SamplingParams
-from dspark.spec.schedule import SpsTable
+from dspark.speculative.schedule import SpsTable
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from dspark.config import (
 from dspark.engine.metrics import DecodeTimes, PrefillTimes, tau_bound
 from dspark.models.families import family_of
 from dspark.models.loading import read_draft_config
-from dspark.models.spec import one_read_per_model
+from dspark.models.model_spec import one_read_per_model
 from dspark.sampling_params import SamplingParams, StructuredOutput
 
 AR = "ar"
@@ -457,7 +457,7 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
     """Build every method on one loaded target, then run all cells interleaved; see the module docstring."""
     from dspark.bench.datasets import depth_prompts, encode_prompt, read_bench_prompts, read_sources
     from dspark.models.loading import read_target_config, resolve_precision
-    from dspark.models.spec import model_spec
+    from dspark.models.model_spec import model_spec
     from dspark.tokenizer import load_tokenizer
 
     notes: list[str] = []

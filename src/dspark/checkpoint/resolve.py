@@ -9,7 +9,7 @@ inside an installable package); a bundled model shipped in dspark itself (``BUND
 default ``~/.cache/modelscope/hub``). A GGUF file is exported once to a cached HF directory. Nothing here opens
 a network connection: a reference that is not on disk is an error naming it and the commands that fetch it.
 Resolve once, at the entry point; everything below takes the path (or the model's ``ModelSpec``,
-``dspark.models.spec.resolve_spec``).
+``dspark.models.model_spec.resolve_spec``).
 
 This module also holds the one registry of what dspark ships (``BUNDLED``) and what follows from it: the default
 target (``resolve_model``), the drafters shipped for a target (``shipped_drafts``) and the drafter a speculative

@@ -56,7 +56,7 @@ from dspark.doctor.weights import (
     check_target_roster,
     check_vocab,
 )
-from dspark.models.spec import one_read_per_model
+from dspark.models.model_spec import one_read_per_model
 
 # ---------------------------------------------------------------------------------------- results
 

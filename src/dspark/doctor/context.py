@@ -17,7 +17,7 @@ from dspark.checkpoint.roster import RosterReport, TensorSpec, compare_roster
 from dspark.config import DRAFT_ARCHITECTURES, RANDOM_WEIGHTS_KEY, ConfigError, DraftConfig
 from dspark.doctor.rootcause import RootCause, config_ints, find_root_cause
 from dspark.models.families import Family, architectures, is_gqa_drafter
-from dspark.models.spec import ConfigFileError, ModelSpec, model_spec
+from dspark.models.model_spec import ConfigFileError, ModelSpec, model_spec
 
 LM_HEAD_FILE = "lm_head.safetensors"
 HEADS = ("markov_head.", "confidence_head.")  # presence checked by their own checks, not by the roster

@@ -170,14 +170,15 @@ def _draft_vocab_rows(ctx: Context, v: int) -> list[Problem]:
 
 def _draft_vocab_file(draft_dir: Path, v: int) -> list[Problem]:
     """A draft_vocab.json next to the weights must rank distinct ids of this vocabulary, its default within it."""
-    from dspark.spec.draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab
+    from dspark.speculative.draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab
 
     if not (draft_dir / DRAFT_VOCAB_FILE).is_file():
         return []
     try:
         read_draft_vocab(draft_dir, None, v)
     except ConfigError as e:
-        return [Problem(str(e), "rewrite it with `python -m dspark.spec.draft_vocab` or delete it (full vocabulary)")]
+        fix = "rewrite it with `python -m dspark.speculative.draft_vocab` or delete it (full vocabulary)"
+        return [Problem(str(e), fix)]
     return []
 
 

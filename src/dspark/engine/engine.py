@@ -34,14 +34,14 @@ from dspark.models.packing import pack_for_inference
 from dspark.models.protocol import Target
 from dspark.profiling import scope
 from dspark.sampling_params import SamplingParams
-from dspark.spec.accept import accept, sample_next
-from dspark.spec.draft_vocab import DraftVocab, read_draft_vocab
-from dspark.spec.grammar import GrammarCompiler, GrammarError, GrammarMatcher, grammar_masks
-from dspark.spec.guard import SpeculationGuard
-from dspark.spec.logprobs import TokenLogprobs, token_logprobs
-from dspark.spec.processing import process
-from dspark.spec.propose import Proposal, SamplingTensors
-from dspark.spec.schedule import SpsTable, choose_verify_lengths, default_cost_model, load_sts
+from dspark.speculative.accept import accept, sample_next
+from dspark.speculative.draft_vocab import DraftVocab, read_draft_vocab
+from dspark.speculative.grammar import GrammarCompiler, GrammarError, GrammarMatcher, grammar_masks
+from dspark.speculative.guard import SpeculationGuard
+from dspark.speculative.logprobs import TokenLogprobs, token_logprobs
+from dspark.speculative.processing import process
+from dspark.speculative.propose import Proposal, SamplingTensors
+from dspark.speculative.schedule import SpsTable, choose_verify_lengths, default_cost_model, load_sts
 from dspark.tokenizer import ByteTokenizer, HFTokenizer
 
 if TYPE_CHECKING:
@@ -352,7 +352,7 @@ class Engine:
         return [[items[i] for i in g] for g in length_groups(keys, rows, self.cfg.split_batch_keys)]
 
     def restrict_draft_vocab(self, ids: torch.Tensor | None) -> None:
-        """Draft only the target tokens ``ids`` (a reduced draft vocabulary, ``spec/draft_vocab.py``; None: all).
+        """Draft only the target tokens ``ids`` (a reduced draft vocabulary, ``speculative/draft_vocab.py``; None: all).
         This engine's own row slices of the drafter's lm_head and W2 (packed like its other weights): engines that
         share one loaded drafter may draft from different vocabularies."""
         if ids is None or self.drafter is None:

@@ -12,8 +12,8 @@ from dspark.sampling_params import SamplingParams
 from dspark.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:  # policy modules (the scheduler) import this one and no torch
-    from dspark.spec.grammar import GrammarMatcher
-    from dspark.spec.logprobs import TokenLogprobs
+    from dspark.speculative.grammar import GrammarMatcher
+    from dspark.speculative.logprobs import TokenLogprobs
 
 
 class Status(enum.Enum):

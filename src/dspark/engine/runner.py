@@ -18,10 +18,10 @@ from dspark.engine.request import Request
 from dspark.models.drafter import DSparkDrafter
 from dspark.models.protocol import Target
 from dspark.profiling import scope
-from dspark.spec.draft_vocab import DraftVocab
-from dspark.spec.processing import ProcessingTensors
-from dspark.spec.propose import Proposal, SamplingTensors, draft_block, ngram_propose
-from dspark.spec.rng import round_counters
+from dspark.speculative.draft_vocab import DraftVocab
+from dspark.speculative.processing import ProcessingTensors
+from dspark.speculative.propose import Proposal, SamplingTensors, draft_block, ngram_propose
+from dspark.speculative.rng import round_counters
 
 KEY_BUCKET = 64  # key counts of a forward are rounded up to a multiple of this (see padded_keys)
 DEFER_ROWS = 64  # deferred drafter-context rows a request may hold before every deferred row is injected

@@ -43,10 +43,10 @@ from dspark.models.families import (  # noqa: F401 (re-exported: the rosters' hi
 from dspark.models.hf_target import HFTarget
 from dspark.models.kimi_linear import KimiLinearTarget
 from dspark.models.layers import RMSNorm
+from dspark.models.model_spec import ModelSpec, model_spec
 from dspark.models.packing import Linear
 from dspark.models.protocol import Target
 from dspark.models.quantized import quantize_gguf_linears, quantize_linears
-from dspark.models.spec import ModelSpec, model_spec
 from dspark.precision import Precision, choose_dtype, cpu_capability, torch_dtype
 
 SpecOrPath = str | os.PathLike[str] | ModelSpec  # a model directory, or its spec

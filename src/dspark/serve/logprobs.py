@@ -8,7 +8,7 @@ import itertools
 from collections.abc import Sequence
 
 from dspark.serve.protocol import ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs
-from dspark.spec.logprobs import TokenLogprobs
+from dspark.speculative.logprobs import TokenLogprobs
 
 
 def completion_logprobs(

@@ -22,7 +22,7 @@ from dspark.cli_common import (
 )
 from dspark.engine.engine import Engine
 from dspark.sampling_params import SamplingParams
-from dspark.spec.schedule import calibrate, calibration_report, fit_sts, save_sts, survival
+from dspark.speculative.schedule import calibrate, calibration_report, fit_sts, save_sts, survival
 from dspark.tuning import STS_FILE, output_path, usage_line
 
 

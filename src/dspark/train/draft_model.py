@@ -68,7 +68,7 @@ class BlockForward(nn.Module):
 
 def train_vocab_ids(cfg: DraftTrainConfig, vocab_size: int) -> torch.Tensor | None:
     """The reduced draft vocabulary a run trains over (cfg.draft_vocab), or None for the full vocabulary."""
-    from dspark.spec.draft_vocab import read_draft_vocab
+    from dspark.speculative.draft_vocab import read_draft_vocab
 
     if cfg.draft_vocab is None:
         return None

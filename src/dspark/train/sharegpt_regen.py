@@ -378,7 +378,7 @@ def read_prompts(cfg: RegenConfig, path: Path) -> tuple[list[Prompt], Encoder]:
 
 def _target_spec(target: str) -> Any:
     from dspark.checkpoint.resolve import resolve_model
-    from dspark.models.spec import model_spec
+    from dspark.models.model_spec import model_spec
 
     return model_spec(resolve_model(target))
 

@@ -36,9 +36,9 @@ from dspark.cache.pool import PagedPool
 from dspark.device import synchronize
 from dspark.models.layers import causal_mask
 from dspark.sampling_params import SamplingParams
-from dspark.spec.accept import sample_next
-from dspark.spec.propose import SamplingTensors
-from dspark.spec.rng import round_counters
+from dspark.speculative.accept import sample_next
+from dspark.speculative.propose import SamplingTensors
+from dspark.speculative.rng import round_counters
 
 READ_ALIGN = 64  # decode steps read keys up to the deepest position, rounded up to this (few distinct shapes)
 SYNC_EVERY = 16  # decode steps between host checks for "every row has finished"
@@ -215,7 +215,7 @@ def load_static_generator(
     CPU's own choice (``dspark.precision``) here."""
     from dspark.checkpoint.resolve import resolve_model
     from dspark.models.loading import load_target, resolve_precision
-    from dspark.models.spec import model_spec
+    from dspark.models.model_spec import model_spec
     from dspark.tokenizer import load_tokenizer
 
     spec = model_spec(resolve_model(model))

@@ -339,7 +339,7 @@ class DraftTrainer(TrainLoop[tuple[MetricSums, torch.Tensor]]):
         export = Path(self.cfg.out_dir) / EXPORT_DIR
         save_drafter(self.drafter, export, dtype=self.cfg.export_dtype)
         if self.vocab_ids is not None:  # the engine drafts from the ids it was trained on
-            from dspark.spec.draft_vocab import DRAFT_VOCAB_FILE
+            from dspark.speculative.draft_vocab import DRAFT_VOCAB_FILE
 
             src = Path(self.cfg.draft_vocab or "")
             src = src / DRAFT_VOCAB_FILE if src.is_dir() else src

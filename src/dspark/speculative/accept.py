@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from dspark.spec.propose import Proposal, SamplingTensors
-from dspark.spec.rng import Stream, uniforms
-from dspark.spec.sampling import all_greedy, greedy, process_logits, sample_inverse_cdf
-from dspark.spec.verify import VerifyResult, verify_block, verify_greedy, verify_standard
+from dspark.speculative.propose import Proposal, SamplingTensors
+from dspark.speculative.rng import Stream, uniforms
+from dspark.speculative.sampling import all_greedy, greedy, process_logits, sample_inverse_cdf
+from dspark.speculative.verify import VerifyResult, verify_block, verify_greedy, verify_standard
 
 
 def accept(

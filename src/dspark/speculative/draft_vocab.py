@@ -6,7 +6,7 @@ and verification (standard or block) accepts or rejects against the target's dis
 the acceptance rate can change (a token outside the N is never proposed).
 
 File ``draft_vocab.json`` in the drafter's directory, written by
-``python -m dspark.spec.draft_vocab --data-dir DATASET --out DRAFT_DIR/draft_vocab.json``:
+``python -m dspark.speculative.draft_vocab --data-dir DATASET --out DRAFT_DIR/draft_vocab.json``:
 ``token_ids`` (most frequent response tokens first, then prompt tokens, then unseen ids), ``counts``,
 ``default_size`` (what an engine uses when the speculative config leaves ``draft_vocab_size`` unset), ``coverage``
 (share of response tokens inside the first N, for a few N) and ``source``.
@@ -93,15 +93,15 @@ def read_draft_vocab(draft_dir: Path | None, size: int | None, vocab_size: int) 
         where = "the drafter was given in memory" if path is None else f"{path} does not exist"
         raise ConfigError(
             f"speculative config: key 'draft_vocab_size' = {size} needs the drafter's {DRAFT_VOCAB_FILE}, but {where}; "
-            f"write it with `python -m dspark.spec.draft_vocab --data-dir DATASET --out {path or DRAFT_VOCAB_FILE}` "
-            "or drop the key"
+            "write it with `python -m dspark.speculative.draft_vocab --data-dir DATASET "
+            f"--out {path or DRAFT_VOCAB_FILE}` or drop the key"
         )
     try:
         data = json.loads(path.read_text())
         ids, default = data["token_ids"], data.get("default_size")
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise ConfigError(
-            f"{path}: not a draft vocabulary ({e}); rewrite it with `python -m dspark.spec.draft_vocab`"
+            f"{path}: not a draft vocabulary ({e}); rewrite it with `python -m dspark.speculative.draft_vocab`"
         ) from e
     n = default if size is None else size
     if n is None or n >= vocab_size:
@@ -146,7 +146,7 @@ def _add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m dspark.spec.draft_vocab",
+        prog="python -m dspark.speculative.draft_vocab",
         description="Rank the response tokens of drafter datasets and write draft_vocab.json (a reduced draft vocab).",
     )
     p.add_argument("--data-dir", action="append", required=True, help="dataset dir with train.npz (repeatable)")

@@ -9,7 +9,7 @@ accepts against exactly the distribution plain decoding samples from, which keep
 - repetition penalty r (prompt and generated tokens): a seen token's logit l becomes l / r if l > 0, else l * r.
 - frequency f and presence p (generated tokens only): l - f * count - p * (count > 0).
 - structured outputs: tokens the request's grammar refuses get -inf (row j: the grammar after d_1..d_j;
-  ``spec/grammar.py``).
+  ``speculative/grammar.py``).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.spec.sampling import sample_inverse_cdf
+from dspark.speculative.sampling import sample_inverse_cdf
 
 Q_MIN = 1e-20  # clamp on draft probabilities in ratios, so zero-probability tokens give no NaN/inf
 

@@ -11,9 +11,9 @@ import torch
 from dspark.cache.pool import BatchStore
 from dspark.models.drafter import DSparkDrafter
 from dspark.profiling import scope
-from dspark.spec.draft_vocab import DraftVocab
-from dspark.spec.rng import Stream, uniforms
-from dspark.spec.sampling import all_greedy, process_logits, sample_inverse_cdf
+from dspark.speculative.draft_vocab import DraftVocab
+from dspark.speculative.rng import Stream, uniforms
+from dspark.speculative.sampling import all_greedy, process_logits, sample_inverse_cdf
 
 
 @dataclass(frozen=True)
