@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 import torch
 
+from dspark.cli import main
 from dspark.config import ConfigError, EngineConfig, SpeculativeConfig
 from dspark.engine.engine import Engine
 from dspark.llm import LLM
 from dspark.models.tiny import build_tiny_pair, tiny_draft_config, tiny_target_config, write_tiny_pair
 from dspark.sampling_params import SamplingParams
-from dspark.speculative.draft_vocab import DRAFT_VOCAB_FILE, DraftVocab, main, rank_tokens, read_draft_vocab
+from dspark.speculative.draft_vocab import DRAFT_VOCAB_FILE, DraftVocab, rank_tokens, read_draft_vocab
 
 FP32 = EngineConfig(dtype="float32", max_num_seqs=8)
 
@@ -124,7 +125,17 @@ def test_the_tool_ranks_response_tokens_and_the_engine_reads_its_file(tmp_path):
     draft_dir = tmp_path / "draft"
     draft_dir.mkdir()
     assert (
-        main(["--data-dir", str(tmp_path / "d"), "--out", str(draft_dir / DRAFT_VOCAB_FILE), "--default-size", "2"])
+        main(
+            [
+                "draft-vocab",
+                "--data-dir",
+                str(tmp_path / "d"),
+                "--out",
+                str(draft_dir / DRAFT_VOCAB_FILE),
+                "--default-size",
+                "2",
+            ]
+        )
         == 0
     )
     assert read_draft_vocab(draft_dir, None, 100).tolist() == [4, 2]  # the file's default

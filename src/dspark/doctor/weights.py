@@ -177,7 +177,7 @@ def _draft_vocab_file(draft_dir: Path, v: int) -> list[Problem]:
     try:
         read_draft_vocab(draft_dir, None, v)
     except ConfigError as e:
-        fix = "rewrite it with `python -m dspark.speculative.draft_vocab` or delete it (full vocabulary)"
+        fix = "rewrite it with `dspark draft-vocab` or delete it (full vocabulary)"
         return [Problem(str(e), fix)]
     return []
 

@@ -3,7 +3,7 @@
 ``run(url, concurrency, n, max_tokens) -> LoadTestResult``: ``n`` streaming /v1/completions requests, at most
 ``concurrency`` in flight; time to first token is measured at the first chunk carrying text, output tokens come
 from the usage chunk, and the speculative counters are diffed from /metrics (as ``vllm bench serve`` does).
-``python -m dspark.serve.loadtest --url http://127.0.0.1:8000 --concurrency 1 16`` prints one JSON line per level.
+``dspark loadtest --url http://127.0.0.1:8000 --concurrency 1 16`` prints one JSON line per level.
 """
 
 from __future__ import annotations
@@ -174,18 +174,21 @@ def run(
     return asyncio.run(_run(url, concurrency, n, max_tokens, prompts, api_key, temperature, ignore_eos))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dspark.serve.loadtest", description=__doc__)
-    p.add_argument("--url", default="http://127.0.0.1:8000")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "loadtest",
+        help="closed-loop load on a running server: TTFT, tokens/s and acceptance per concurrency level",
+        description=__doc__,
+    )
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16], help="levels, one JSON line each")
     p.add_argument("--num-requests", type=int, default=32)
     add_max_tokens_arg(p, 64)
     p.add_argument("--api-key", default=None)
-    args = p.parse_args(argv)
+    p.set_defaults(func=cmd_loadtest)
+
+
+def cmd_loadtest(args: argparse.Namespace) -> int:
     for c in args.concurrency:
         print(json.dumps(asdict(run(args.url, c, args.num_requests, args.max_tokens, api_key=args.api_key))))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -6,7 +6,7 @@ and verification (standard or block) accepts or rejects against the target's dis
 the acceptance rate can change (a token outside the N is never proposed).
 
 File ``draft_vocab.json`` in the drafter's directory, written by
-``python -m dspark.speculative.draft_vocab --data-dir DATASET --out DRAFT_DIR/draft_vocab.json``:
+``dspark draft-vocab --data-dir DATASET --out DRAFT_DIR/draft_vocab.json`` (:func:`write_draft_vocab`):
 ``token_ids`` (most frequent response tokens first, then prompt tokens, then unseen ids), ``counts``,
 ``default_size`` (what an engine uses when the speculative config leaves ``draft_vocab_size`` unset), ``coverage``
 (share of response tokens inside the first N, for a few N) and ``source``.
@@ -14,7 +14,6 @@ File ``draft_vocab.json`` in the drafter's directory, written by
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,16 +92,14 @@ def read_draft_vocab(draft_dir: Path | None, size: int | None, vocab_size: int) 
         where = "the drafter was given in memory" if path is None else f"{path} does not exist"
         raise ConfigError(
             f"speculative config: key 'draft_vocab_size' = {size} needs the drafter's {DRAFT_VOCAB_FILE}, but {where}; "
-            "write it with `python -m dspark.speculative.draft_vocab --data-dir DATASET "
+            "write it with `dspark draft-vocab --data-dir DATASET "
             f"--out {path or DRAFT_VOCAB_FILE}` or drop the key"
         )
     try:
         data = json.loads(path.read_text())
         ids, default = data["token_ids"], data.get("default_size")
     except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ConfigError(
-            f"{path}: not a draft vocabulary ({e}); rewrite it with `python -m dspark.speculative.draft_vocab`"
-        ) from e
+        raise ConfigError(f"{path}: not a draft vocabulary ({e}); rewrite it with `dspark draft-vocab`") from e
     n = default if size is None else size
     if n is None or n >= vocab_size:
         return None
@@ -126,7 +123,7 @@ def rank_tokens(data_dirs: list[Path], vocab_size: int | None = None) -> tuple[l
     for d in data_dirs:
         files = [f for f in (d / "train.npz", d / "validation.npz") if f.is_file()]
         if not files:
-            raise ConfigError(f"{d}: no train.npz or validation.npz (a `dspark chat-data` / `draft-data` output dir)")
+            raise ConfigError(f"{d}: no train.npz or validation.npz (a `dspark draft-data` output dir)")
         for f in files:
             with np.load(f) as z:
                 tokens, mask = z["tokens"].astype(np.int64), z["loss_mask"].astype(bool)
@@ -144,38 +141,28 @@ def _add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.pad(a, (0, n - len(a))) + np.pad(b, (0, n - len(b)))
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m dspark.speculative.draft_vocab",
-        description="Rank the response tokens of drafter datasets and write draft_vocab.json (a reduced draft vocab).",
-    )
-    p.add_argument("--data-dir", action="append", required=True, help="dataset dir with train.npz (repeatable)")
-    p.add_argument("--out", required=True, help=f"output file (the drafter's {DRAFT_VOCAB_FILE})")
-    p.add_argument("--default-size", type=int, default=None, help="N an engine uses by default (unset: full vocab)")
-    p.add_argument("--vocab-size", type=int, default=None, help="also rank ids the data never showed (by id)")
-    p.add_argument("--max-size", type=int, default=32768, help="ids kept in the file (default 32768)")
-    args = p.parse_args(argv)
-    ids, counts, total = rank_tokens([Path(d) for d in args.data_dir], args.vocab_size)
-    ids, counts = ids[: args.max_size], counts[: args.max_size]
-    if args.default_size is not None and not 1 <= args.default_size <= len(ids):
-        p.error(f"--default-size {args.default_size}: the data ranks {len(ids)} distinct tokens; use 1..{len(ids)}")
+def write_draft_vocab(
+    data_dirs: list[Path], out: Path, default_size: int | None, vocab_size: int | None, max_size: int
+) -> dict[str, Any]:
+    """Rank the response tokens of ``data_dirs`` (:func:`rank_tokens`), keep the first ``max_size`` and write them
+    to ``out`` (never half-written) → what was written."""
+    ids, counts, total = rank_tokens(data_dirs, vocab_size)
+    ids, counts = ids[:max_size], counts[:max_size]
+    if default_size is not None and not 1 <= default_size <= len(ids):
+        raise ConfigError(
+            f"--default-size {default_size}: the data ranks {len(ids)} distinct tokens; use 1..{len(ids)}"
+        )
     cum = np.cumsum(counts)
     marks = [n for n in (1024, 2048, 4096, 8192, 16384, 32768) if n < len(ids)] + [len(ids)]
     coverage = {str(n): round(float(cum[n - 1] / total), 5) for n in marks}
-    out = {
+    result = {
         "token_ids": ids,
         "counts": counts,
-        "default_size": args.default_size,
+        "default_size": default_size,
         "coverage": coverage,
-        "source": {"data_dirs": [str(d) for d in args.data_dir], "response_tokens": total},
+        "source": {"data_dirs": [str(d) for d in data_dirs], "response_tokens": total},
     }
-    path = Path(args.out)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(out) + "\n")
-    tmp.replace(path)  # never half-written
-    print(f"wrote {path}: {len(ids)} ranked token ids, {total} response tokens; in-sample coverage {coverage}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(result) + "\n")
+    tmp.replace(out)
+    return result

@@ -214,6 +214,35 @@ def add_prepare_features(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_prepare_features)
 
 
+# ---- draft-vocab -----------------------------------------------------------------------------------------
+
+
+def cmd_draft_vocab(args: argparse.Namespace) -> int:
+    from dspark.speculative.draft_vocab import write_draft_vocab
+
+    out = Path(args.out)
+    r = write_draft_vocab([Path(d) for d in args.data_dir], out, args.default_size, args.vocab_size, args.max_size)
+    total = r["source"]["response_tokens"]
+    print(f"wrote {out}: {len(r['token_ids'])} ranked token ids, {total} response tokens; in-sample coverage "
+          f"{r['coverage']}")  # fmt: skip
+    return 0
+
+
+def add_draft_vocab(sub: argparse._SubParsersAction) -> None:
+    from dspark.speculative.draft_vocab import DRAFT_VOCAB_FILE
+
+    p = sub.add_parser(
+        "draft-vocab",
+        help="rank the response tokens of drafter datasets and write draft_vocab.json (a reduced draft vocabulary)",
+    )
+    p.add_argument("--data-dir", action="append", required=True, help="dataset dir with train.npz (repeatable)")
+    p.add_argument("--out", required=True, help=f"output file (the drafter's {DRAFT_VOCAB_FILE})")
+    p.add_argument("--default-size", type=int, default=None, help="N an engine uses by default (unset: full vocab)")
+    p.add_argument("--vocab-size", type=int, default=None, help="also rank ids the data never showed (by id)")
+    p.add_argument("--max-size", type=int, default=32768, help="ids kept in the file (default 32768)")
+    p.set_defaults(func=cmd_draft_vocab)
+
+
 # ---- train-draft -----------------------------------------------------------------------------------------
 
 _TRAIN_FLAGS = {
@@ -383,6 +412,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_train_draft(sub)
     add_draft_data(sub)
     add_prepare_features(sub)
+    add_draft_vocab(sub)
     add_chat_data(sub)
     from dspark.train.sharegpt import add_parser as add_sharegpt_data
 
