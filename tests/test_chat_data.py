@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from dspark.models.loading import load_drafter, load_target
-from dspark.train.chat_data import ChatDataConfig, Sample, generate_batch, merge_shards, write_split
-from dspark.train.features import FeatureCache, prepare_features, target_features
+from dspark.train.chat_data import Sample, generate_batch, write_split
+from dspark.train.draft_data import DraftDataConfig, DraftDataset
+from dspark.train.features import FeatureCache, merge_draft_data, prepare_features, target_features
 from dspark.train.instructions import HELDOUT, check_disjoint, training_prompts
-from dspark.train.regenerate import DraftDataset
 from dspark.train.trainer import DraftTrainer, train_draft
 from test_train_draft import tiny_cfg, tiny_dataset
 
@@ -46,7 +46,7 @@ def native(llama, tmp_path_factory):
 
 def test_generate_batch_matches_unbatched_greedy_and_a_full_forward(llama, native) -> None:
     prompts = [[5, 9, 11], [7, 8, 20, 30, 40, 50], [60, 61]]
-    cfg = ChatDataConfig(tap_layers=TAPS, max_new_tokens=6, min_response_tokens=1)
+    cfg = DraftDataConfig(source="instructions-hf", tap_layers=TAPS, max_new_tokens=6, min_response_tokens=1)
     samples = generate_batch(llama, prompts, cfg, temperature=0.0, eos_ids=set(), seed=0)
     target, _ = native
     for prompt, s in zip(prompts, samples):
@@ -61,7 +61,7 @@ def test_generate_batch_matches_unbatched_greedy_and_a_full_forward(llama, nativ
 
 def test_generate_batch_cuts_at_eos_and_drops_short_responses(llama) -> None:
     prompts = [[5, 9, 11], [7, 8, 20]]
-    cfg = ChatDataConfig(tap_layers=TAPS, max_new_tokens=8, min_response_tokens=1)
+    cfg = DraftDataConfig(source="instructions-hf", tap_layers=TAPS, max_new_tokens=8, min_response_tokens=1)
     full = generate_batch(llama, prompts, cfg, temperature=0.0, eos_ids=set(), seed=0)
     eos = full[0].tokens[len(prompts[0]) + 2]  # make the third response token of prompt 0 an EOS
     cut = generate_batch(llama, prompts, cfg, temperature=0.0, eos_ids={eos}, seed=0)
@@ -79,10 +79,17 @@ def test_merged_shards_read_back_sample_by_sample(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     shards = [[_sample(rng, n) for n in (5, 9, 4)], [_sample(rng, n) for n in (7, 3)]]
     for k, samples in enumerate(shards):
-        cfg = ChatDataConfig(out_dir=str(tmp_path), tap_layers=(0, 1), shard=k, num_shards=2, feature_dtype="float32")
+        cfg = DraftDataConfig(
+            source="instructions-hf",
+            out_dir=str(tmp_path),
+            tap_layers=(0, 1),
+            shard=k,
+            num_shards=2,
+            feature_dtype="float32",
+        )
         write_split(cfg, "train", "train.npz", samples)
         (cfg.shard_dir / "manifest.json").write_text(json.dumps({"generated_tokens": 1, "wall_clock_s": 1.0}))
-    result = merge_shards(tmp_path, 2)
+    result = merge_draft_data(tmp_path, 2, require_features=True)
     assert result["train"]["samples"] == 5
     data = DraftDataset.load(tmp_path / "train.npz")
     cache = FeatureCache(tmp_path / "features" / "train", data, (0, 1))

@@ -153,7 +153,8 @@ def test_prompts_as_ids_regenerate_the_same_shards(tmp_path) -> None:
 
     import numpy as np
 
-    from dspark.train.sharegpt_regen import RegenConfig, export_prompts, regenerate
+    from dspark.train.draft_data import DraftDataConfig
+    from dspark.train.sharegpt_regen import export_prompts, regenerate
 
     target, _ = write_tiny_pair(tmp_path / "pair", seed=0)
     convs = [
@@ -162,8 +163,9 @@ def test_prompts_as_ids_regenerate_the_same_shards(tmp_path) -> None:
     ]
     src = tmp_path / "sharegpt.json"
     src.write_text(json.dumps(convs))
-    cfg = RegenConfig(
-        target=str(target), source=str(src), out_dir=str(tmp_path / "a"), num_prompts=16, num_val_prompts=2,
+    cfg = DraftDataConfig(
+        source="sharegpt", target=str(target), sharegpt_file=str(src), out_dir=str(tmp_path / "a"), num_prompts=16,
+        num_val_prompts=2,
         max_prompt_tokens=64, max_new_tokens=6, greedy_fraction=0.5, min_response_tokens=1, shard_size=4,
         max_num_seqs=4, dtype="float32", quantization="none", heldout_percent=10.0, device="cpu",
     )  # fmt: skip

@@ -14,9 +14,10 @@ import pytest
 from dspark.llm import LLM
 from dspark.models.tiny import write_tiny_pair
 from dspark.sampling_params import SamplingParams
-from dspark.train.regenerate import DraftDataset, regenerate_responses
+from dspark.train.draft_data import DraftDataConfig, DraftDataset
+from dspark.train.regenerate import regenerate_responses
 from dspark.train.sharegpt import ShareGPTError, is_heldout, normalize, to_conversation
-from dspark.train.sharegpt_regen import RegenConfig, encode_prompt, load_shard, prompts_of, regenerate
+from dspark.train.sharegpt_regen import encode_prompt, load_shard, prompts_of, regenerate
 
 
 def conversations(n: int) -> list[dict]:
@@ -35,9 +36,10 @@ def setup(tmp_path_factory):
     target, _ = write_tiny_pair(root / "pair", seed=0)
     src = root / "sharegpt.json"
     src.write_text(json.dumps(conversations(40))[:-40])  # cut off, as the package's file is
-    cfg = RegenConfig(
+    cfg = DraftDataConfig(
+        source="sharegpt",
         target=str(target),
-        source=str(src),
+        sharegpt_file=str(src),
         out_dir=str(root / "out"),
         num_val_prompts=4,
         later_turn_fraction=0.5,
@@ -123,7 +125,7 @@ def test_a_damaged_shard_is_named_with_its_fix(setup, tmp_path) -> None:
 
 
 def test_later_turn_prompts_drop_the_oldest_turns_to_fit() -> None:
-    cfg = RegenConfig(later_turn_fraction=1.0)
+    cfg = DraftDataConfig(source="sharegpt", later_turn_fraction=1.0)
     convs = [to_conversation(c) for c in conversations(4)]
     prompts = prompts_of(convs, cfg)
     assert [p.turn for p in prompts] == [0, 1, 0, 1]

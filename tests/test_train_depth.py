@@ -12,8 +12,8 @@ import torch
 from dspark.models.tiny import build_tiny_gqa_pair, build_tiny_hybrid_pair, build_tiny_pair, tiny_target_config
 from dspark.train.anchors import depth_labels, depth_summary, sample_anchors, tau_by_depth
 from dspark.train.draft_config import DraftTrainConfig
+from dspark.train.draft_data import DraftDataset
 from dspark.train.features import target_features
-from dspark.train.regenerate import DraftDataset
 from dspark.train.trainer import DraftTrainer
 
 
@@ -115,7 +115,8 @@ def test_validation_reports_tau_by_depth_and_chunked_features_train_the_same():
 def test_long_context_prompts_run_back_into_preceding_documents():
     """With max_context, about long_fraction of the prompts are long (log-uniform lengths up to max_context) and
     run back over earlier documents; the short ones keep their [min, max] lengths."""
-    from dspark.train.regenerate import RegenerateConfig, corpus_prompts
+    from dspark.train.draft_data import DraftDataConfig
+    from dspark.train.regenerate import corpus_prompts
 
     docs = [f"# file {d}\n" + "".join(f"def f{d}_{i}(x):\n    return x + {i}\n\n" for i in range(40)) for d in range(6)]
 
@@ -133,13 +134,14 @@ def test_long_context_prompts_run_back_into_preceding_documents():
     with pytest.raises(ValueError, match="max_context"):
         corpus_prompts(docs, encode, 5, 10, 30, max_context=20)
     with pytest.raises(ValueError, match="max_context"):
-        RegenerateConfig(max_prompt_tokens=128, max_context=64)
+        DraftDataConfig(max_prompt_tokens=128, max_context=64)
 
 
 def test_min_context_raises_the_floor_of_long_prompts():
     """min_context: long prompts are log-uniform in [min_context, max_context]; short ones are unchanged; a floor
     outside [max_tokens, max_context] (or without max_context) is refused naming the key."""
-    from dspark.train.regenerate import RegenerateConfig, corpus_prompts
+    from dspark.train.draft_data import DraftDataConfig
+    from dspark.train.regenerate import corpus_prompts
 
     docs = [f"# file {d}\n" + "".join(f"def f{d}_{i}(x):\n    return x + {i}\n\n" for i in range(40)) for d in range(6)]
 
@@ -154,9 +156,9 @@ def test_min_context_raises_the_floor_of_long_prompts():
     with pytest.raises(ValueError, match="min_context"):
         corpus_prompts(docs, encode, 5, min_context=5000, **kw)
     with pytest.raises(ValueError, match="min_context"):
-        RegenerateConfig(max_prompt_tokens=128, min_context=1000)  # no max_context
+        DraftDataConfig(max_prompt_tokens=128, min_context=1000)  # no max_context
     with pytest.raises(ValueError, match="min_context"):
-        RegenerateConfig(max_prompt_tokens=128, max_context=4096, min_context=64)
+        DraftDataConfig(max_prompt_tokens=128, max_context=4096, min_context=64)
 
 
 def test_draft_data_shards_merge_in_order(tmp_path):

@@ -16,10 +16,11 @@ from dspark.models.tiny import build_tiny_pair, write_tiny_pair
 from dspark.train.distributed import Dist, shutdown_distributed
 from dspark.train.draft_batches import step_samples
 from dspark.train.draft_config import DraftTrainConfig, draft_config_for, spread_taps
+from dspark.train.draft_data import DraftDataset
 from dspark.train.draft_model import BlockForward, warm_start_
 from dspark.train.features import FeatureCache, prepare_features, target_features
 from dspark.train.pretrain_config import default_target_config
-from dspark.train.regenerate import DraftDataset, corpus_prompts, cut_points
+from dspark.train.regenerate import corpus_prompts, cut_points
 from dspark.train.trainer import DraftTrainer, train_draft
 
 V = 96  # tiny vocab
@@ -341,12 +342,13 @@ def test_corpus_prompts_end_at_header_lines_and_respect_lengths() -> None:
 def test_regenerated_responses_are_the_targets_and_masked(tmp_path: Path) -> None:
     from dspark.llm import build_engine
     from dspark.models.loading import load_target
-    from dspark.train.regenerate import RegenerateConfig, _make_samples, regenerate_responses, sampling_params_for
+    from dspark.train.draft_data import DraftDataConfig
+    from dspark.train.regenerate import _make_samples, regenerate_responses, sampling_params_for
 
     target_dir, _ = write_tiny_pair(tmp_path / "pair", seed=0)
     engine = build_engine(target_dir, None, dtype="float32", max_num_seqs=4)
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [20, 21, 22]]
-    cfg = RegenerateConfig(max_new_tokens=6, temperatures=(0.0,), min_loss_tokens=2)
+    cfg = DraftDataConfig(max_new_tokens=6, temperatures=(0.0,), min_response_tokens=2)
     responses = regenerate_responses(engine, prompts, [sampling_params_for(cfg, i, 0) for i in range(3)])
     tgt = load_target(target_dir, "float32")
     for p, r in zip(prompts, responses):
@@ -358,11 +360,11 @@ def test_regenerated_responses_are_the_targets_and_masked(tmp_path: Path) -> Non
     # submitted shortest first: sampled responses are still each prompt's own (per-request seeds)
     from dspark.llm import LLM
 
-    hot = RegenerateConfig(max_new_tokens=6, temperatures=(1.0,), min_loss_tokens=2)
+    hot = DraftDataConfig(max_new_tokens=6, temperatures=(1.0,), min_response_tokens=2)
     params = [sampling_params_for(hot, i, 0) for i in range(3)]
     alone = [list(LLM.from_engine(engine).generate([p], [q])[0].token_ids) for p, q in zip(prompts, params)]
     assert regenerate_responses(engine, prompts, params) == alone
-    samples, dropped = _make_samples(prompts, responses, cfg.min_loss_tokens)
+    samples, dropped = _make_samples(prompts, responses, cfg.min_response_tokens)
     ds = DraftDataset.from_samples(samples)
     for i, (p, r) in enumerate(zip(prompts, responses)):
         x, m = ds[i]

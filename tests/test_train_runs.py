@@ -18,7 +18,7 @@ import torch
 from dspark.models.tiny import write_tiny_pair
 from dspark.train.draft_batches import step_samples, step_tokens, steps_for_tokens
 from dspark.train.draft_cli import run_state
-from dspark.train.regenerate import DraftDataset
+from dspark.train.draft_data import DraftDataset
 
 V = 96
 

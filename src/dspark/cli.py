@@ -278,12 +278,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engines = build_engines(
         model,
         configs,
-        *engine_configs(dtype=args.dtype,
-        quantization=args.quantization,
-        seed=args.seed or 0,
-        attention_backend=args.attention_backend,
-        enable_prefix_caching=args.enable_prefix_caching,
-        **kv_offload_kwargs(args)),
+        *engine_configs(
+            dtype=args.dtype,
+            quantization=args.quantization,
+            seed=args.seed or 0,
+            attention_backend=args.attention_backend,
+            enable_prefix_caching=args.enable_prefix_caching,
+            **kv_offload_kwargs(args),
+        ),
     )
     chat, why = prompt_format(engines[0], args.chat)
     prompt = _prompt(engines[0], args.prompt, chat)
@@ -494,11 +496,13 @@ def cmd_verify_lossless(args: argparse.Namespace) -> int:
     spec_engine, ar_engine = build_engines(
         model,
         [spec, None],
-        *engine_configs(dtype=args.dtype,
-        quantization=args.quantization,
-        attention_backend=args.attention_backend,
-        enable_prefix_caching=args.enable_prefix_caching,
-        **kv_offload_kwargs(args)),
+        *engine_configs(
+            dtype=args.dtype,
+            quantization=args.quantization,
+            attention_backend=args.attention_backend,
+            enable_prefix_caching=args.enable_prefix_caching,
+            **kv_offload_kwargs(args),
+        ),
     )
     precision = spec_engine.precision
     print(
@@ -652,9 +656,13 @@ SUBCOMMANDS = {
     "draft-data": "dspark.train.draft_cli",
     "prepare-features": "dspark.train.draft_cli",
     "draft-vocab": "dspark.train.draft_cli",
-    "chat-data": "dspark.train.draft_cli",
-    "sharegpt-data": "dspark.train.draft_cli",
-    "sharegpt-regen": "dspark.train.draft_cli",
+}
+
+# former subcommands, now sources of draft-data: a pointer to the new spelling, not a second implementation
+RENAMED = {
+    "chat-data": "draft-data --source instructions-hf",
+    "sharegpt-data": "draft-data --source sharegpt-text (--source FILE is now --sharegpt-file FILE)",
+    "sharegpt-regen": "draft-data --source sharegpt (--source FILE is now --sharegpt-file FILE)",
 }
 
 
@@ -711,6 +719,10 @@ def _exit_on_signal(signum: int, _frame: object) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in RENAMED:
+        print(f"dspark {argv[0]}: error: it is now `dspark {RENAMED[argv[0]]}`", file=sys.stderr)
+        return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     if threading.current_thread() is threading.main_thread():  # SIGTERM exits through the exit handlers

@@ -1,8 +1,8 @@
 """Where the training-side commands run their tensors: ``--device auto|cpu|cuda``.
 
-``train-draft``, ``prepare-features`` and ``sharegpt-regen`` take the same option. "auto" is CUDA when torch sees
-a GPU, else the CPU. On CUDA the PyTorch reference path runs (the native kernels are CPU-only: the process turns
-them off once, and ``dspark.native.status()`` says so) and the reduced-precision regions autocast to bf16 on that
+``train-draft``, ``prepare-features`` and ``draft-data --source sharegpt`` take the same option. "auto" is CUDA when
+torch sees a GPU, else the CPU. On CUDA the PyTorch reference path runs (the native kernels are CPU-only: the process
+turns them off once, and ``dspark.native.status()`` says so) and the reduced-precision regions autocast to bf16 on that
 device. The serving engine (generate, serve, bench, verify-lossless) stays on the CPU.
 """
 

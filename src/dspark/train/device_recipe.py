@@ -6,11 +6,12 @@ Three steps, each a subcommand of ``python -m dspark.train.device_recipe`` (docs
   neither the ShareGPT file nor a need for it), then the payload packed for the device calls (``device_pack``):
   the target's GGUF, the warm-start drafter, the prompts, and the wheels the device lacks (``gguf``);
 - ``run`` (there, through ``scripts/device-train.sh``): within ``--budget-minutes`` (default 8) it regenerates
-  the prompts with the static generator (``--regen-share`` of the budget at most; shards as ``sharegpt-regen``
-  writes them), trains the DSpark drafter warm-started from the shipped one (the recipe below, time-scheduled so
-  the cosine ends with the budget) and, with ``--dflash``, the DFlash twin on the same data; the held-out τ of the
-  start and of every evaluation is in the log (τ against tokens seen and device-minutes); then it writes the bf16
-  drafters, their logs and the new shards to ``$OUT`` in parts the device tool brings back (≤ 8 files, ≤ 16 MiB);
+  the prompts with the static generator (``--regen-share`` of the budget at most; shards as ``draft-data
+  --source sharegpt`` writes them), trains the DSpark drafter warm-started from the shipped one (the recipe below,
+  time-scheduled so the cosine ends with the budget) and, with ``--dflash``, the DFlash twin on the same data; the
+  held-out τ of the start and of every evaluation is in the log (τ against tokens seen and device-minutes); then it
+  writes the bf16 drafters, their logs and the new shards to ``$OUT`` in parts the device tool brings back (≤ 8
+  files, ≤ 16 MiB);
 - ``collect`` (here): joins those parts, checks them, puts the new shards beside the committed ones and the
   drafters under ``--dest``.
 
@@ -149,14 +150,12 @@ def copy_shards(src: Path, dest: Path) -> None:
 
 def regen_config(cfg: DeviceTrainConfig, data: Path, minutes: float) -> Any:
     """The committed run's settings (so the prompt indices, seeds and sampling match its shards), on this device."""
-    from dspark.train.sharegpt_regen import RegenConfig
+    from dspark.train.draft_data import DraftDataConfig, config_from_manifest
 
     manifest = data / "manifest.json"
-    base = RegenConfig()
+    base = DraftDataConfig(source="sharegpt")
     if manifest.is_file():
-        saved = json.loads(manifest.read_text()).get("config", {})
-        known = {f.name for f in fields(RegenConfig)}
-        base = RegenConfig(**{k: v for k, v in saved.items() if k in known})
+        base = config_from_manifest(json.loads(manifest.read_text()).get("config", {}), "sharegpt")
     return replace(
         base, target=cfg.target, out_dir=str(data), prompts_file=cfg.prompts_file, num_prompts=None,
         device=cfg.device, generator="static", batch_size=cfg.regen_batch, dtype="auto", quantization="none",
@@ -174,7 +173,7 @@ def regenerate(cfg: DeviceTrainConfig, data: Path, minutes: float) -> dict[str, 
 
 def merge(data: Path) -> None:
     """train.npz / validation.npz from the shards (the layout train-draft reads)."""
-    from dspark.train.regenerate import TRAIN_FILE, VALIDATION_FILE
+    from dspark.train.draft_data import TRAIN_FILE, VALIDATION_FILE
     from dspark.train.sharegpt_regen import merge_shards
 
     for split, name in (("train", TRAIN_FILE), ("validation", VALIDATION_FILE)):
@@ -256,7 +255,8 @@ def tiny_fixtures(cfg: DeviceTrainConfig, work: Path) -> DeviceTrainConfig:
     """A tiny GQA pair, a synthetic ShareGPT file, two shards of it regenerated as committed shards would be, and a
     prompts file for the next ones: the device run's inputs, in seconds on a CPU."""
     from dspark.models.tiny import write_tiny_gqa_pair
-    from dspark.train.sharegpt_regen import RegenConfig, export_prompts
+    from dspark.train.draft_data import DraftDataConfig
+    from dspark.train.sharegpt_regen import export_prompts
     from dspark.train.sharegpt_regen import regenerate as regen
 
     root = work / "tiny"
@@ -268,9 +268,9 @@ def tiny_fixtures(cfg: DeviceTrainConfig, work: Path) -> DeviceTrainConfig:
         convs.append({"id": f"c{i}", "conversations": [{"from": f, "value": v} for f, v in turns]})
     source.write_text(json.dumps(convs))
     committed = root / "committed"
-    rcfg = RegenConfig(
-        target=str(target), source=str(source), out_dir=str(committed), num_prompts=16, num_val_prompts=4,
-        max_prompt_tokens=64, max_new_tokens=12, min_response_tokens=1, shard_size=8, max_num_seqs=4,
+    rcfg = DraftDataConfig(
+        source="sharegpt", target=str(target), sharegpt_file=str(source), out_dir=str(committed), num_prompts=16,
+        num_val_prompts=4, max_prompt_tokens=64, max_new_tokens=12, min_response_tokens=1, shard_size=8, max_num_seqs=4,
         dtype="float32", quantization="none", heldout_percent=10.0, device="cpu", generator="engine",
     )  # fmt: skip
     regen(rcfg, say=lambda m: None)
@@ -312,7 +312,8 @@ def travelling_bytes(repo: Path) -> int:
 def prepare(args: argparse.Namespace) -> int:
     from dspark.checkpoint.gguf import gguf_source
     from dspark.checkpoint.resolve import resolve_model_ref
-    from dspark.train.sharegpt_regen import RegenConfig, export_prompts
+    from dspark.train.draft_data import config_from_manifest
+    from dspark.train.sharegpt_regen import export_prompts
 
     repo = Path(args.repo).resolve()
     tree = travelling_bytes(repo)
@@ -322,9 +323,7 @@ def prepare(args: argparse.Namespace) -> int:
             "on` first (it untracks the bundled weights for the calls; `off` restores them)"
         )
     data = Path(args.data_dir)
-    saved = json.loads((data / "manifest.json").read_text())["config"]
-    known = {f.name for f in fields(RegenConfig)}
-    rcfg = RegenConfig(**{k: v for k, v in saved.items() if k in known})
+    rcfg = config_from_manifest(json.loads((data / "manifest.json").read_text())["config"], "sharegpt")
     start = len(list(data.glob("shard-*.npz"))) * rcfg.shard_size + args.skip_prompts
     work = Path(args.out).with_name(Path(args.out).name + "-build")
     work.mkdir(parents=True, exist_ok=True)

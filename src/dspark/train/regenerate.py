@@ -7,21 +7,16 @@ loss mask is 1 on response tokens (including a generated EOS) and 0 on the promp
 Prompts are code prefixes of the corpus documents: the text up to the end of a ``def``/``class`` header line
 (or the first lines of a file), of which the last 32–128 tokens are kept.
 
-Dataset files (:class:`DraftDataset`, ``.npz``): ``tokens`` int32 [N_tok], ``loss_mask`` uint8 [N_tok],
-``offsets`` int64 [N+1] (sample i is ``tokens[offsets[i]:offsets[i+1]]``), ``meta`` (a JSON string).
-:func:`build_draft_dataset` writes ``train.npz`` (prompts from the corpus train split), ``validation.npz``
-(held-out prompts from the validation split) and ``manifest.json`` into its output directory.
+The ``corpus`` source of the one data pipeline (``draft_data.py``): :func:`build_draft_dataset` writes
+``train.npz`` (prompts from the corpus train split), ``validation.npz`` (held-out prompts from the validation
+split) and ``manifest.json`` into its output directory.
 
 Usage: ``dspark draft-data --target runs/target/export --corpus-dir runs/data/corpus --out-dir runs/draft_data``.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import re
-import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -32,116 +27,19 @@ from typing import Any
 import numpy as np
 
 from dspark.train.corpus import iter_documents
+from dspark.train.draft_data import (
+    MANIFEST_FILE,
+    TRAIN_FILE,
+    VALIDATION_FILE,
+    DraftDataConfig,
+    DraftDataset,
+    progress_printer,
+    write_manifest,
+)
 
-TRAIN_FILE = "train.npz"
-VALIDATION_FILE = "validation.npz"
-MANIFEST_FILE = "manifest.json"
 _HEADER = re.compile(r"^[ \t]*(?:async[ \t]+)?(?:def|class)[ \t]+\w+.*:[ \t]*$", re.MULTILINE)
 _CONTEXT_CHARS = 2000  # characters of text before the cut that are tokenized (plenty for 128 tokens)
 _CHARS_PER_TOKEN = 8  # long contexts: characters tokenized per wanted token (code runs ~3-4 per token)
-
-
-# --------------------------------------------------------------------------------------------------------
-# dataset file
-# --------------------------------------------------------------------------------------------------------
-
-
-class DraftDataset:
-    """Variable-length samples of token ids with a response loss mask, stored flat with offsets."""
-
-    def __init__(self, tokens: np.ndarray, loss_mask: np.ndarray, offsets: np.ndarray, meta: dict | None = None):
-        if tokens.shape != loss_mask.shape or tokens.ndim != 1:
-            raise ValueError(f"tokens {tokens.shape} and loss_mask {loss_mask.shape} must be equal 1-D arrays")
-        if offsets.ndim != 1 or offsets[0] != 0 or offsets[-1] != tokens.size or np.any(np.diff(offsets) < 0):
-            raise ValueError("offsets must start at 0, end at len(tokens) and be non-decreasing")
-        self.tokens = tokens.astype(np.int32, copy=False)
-        self.loss_mask = loss_mask.astype(np.uint8, copy=False)
-        self.offsets = offsets.astype(np.int64, copy=False)
-        self.meta = dict(meta or {})
-
-    @classmethod
-    def from_samples(cls, samples: Iterable[tuple[Sequence[int], Sequence[int]]], meta: dict | None = None):
-        """samples: (input_ids, loss_mask) pairs of equal length."""
-        ids, masks, offsets = [], [], [0]
-        for i, (x, m) in enumerate(samples):
-            if len(x) != len(m):
-                raise ValueError(f"sample {i}: {len(x)} token ids but {len(m)} loss-mask entries")
-            ids.append(np.asarray(x, dtype=np.int32))
-            masks.append(np.asarray(m, dtype=np.uint8))
-            offsets.append(offsets[-1] + len(x))
-        cat = lambda a, dt: np.concatenate(a) if a else np.zeros(0, dt)  # noqa: E731
-        return cls(cat(ids, np.int32), cat(masks, np.uint8), np.asarray(offsets, dtype=np.int64), meta)
-
-    @classmethod
-    def concat(cls, parts: Sequence[DraftDataset], meta: dict | None = None) -> DraftDataset:
-        """The samples of ``parts`` one after another (meta: the first part's unless given)."""
-        if not parts:
-            raise ValueError("DraftDataset.concat: no datasets to join")
-        bases = np.cumsum([0] + [ds.tokens.size for ds in parts[:-1]])
-        offsets = [np.zeros(1, np.int64)] + [ds.offsets[1:] + b for ds, b in zip(parts, bases)]
-        return cls(
-            np.concatenate([ds.tokens for ds in parts]),
-            np.concatenate([ds.loss_mask for ds in parts]),
-            np.concatenate(offsets),
-            parts[0].meta if meta is None else meta,
-        )
-
-    def __len__(self) -> int:
-        return self.offsets.size - 1
-
-    def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
-
-    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        """→ (input_ids int64 [S], loss_mask bool [S])."""
-        if not 0 <= i < len(self):
-            raise IndexError(f"sample {i} out of range for a dataset of {len(self)} samples")
-        a, b = self.offsets[i], self.offsets[i + 1]
-        return self.tokens[a:b].astype(np.int64), self.loss_mask[a:b].astype(bool)
-
-    @property
-    def num_loss_tokens(self) -> int:
-        return int(self.loss_mask.sum())
-
-    def save(self, path: str | Path) -> None:
-        """Write atomically (a temporary file moved into place)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            with open(tmp, "wb") as f:
-                np.savez(
-                    f,
-                    tokens=self.tokens,
-                    loss_mask=self.loss_mask,
-                    offsets=self.offsets,
-                    meta=np.asarray(json.dumps(self.meta)),
-                )
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-
-    @classmethod
-    def load(cls, path: str | Path) -> DraftDataset:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"{path} not found; build the drafter dataset with `dspark draft-data --target DIR --out-dir "
-                f"{path.parent}`"
-            )
-        with np.load(path, allow_pickle=False) as z:
-            missing = {"tokens", "loss_mask", "offsets"} - set(z.files)
-            if missing:
-                raise ValueError(f"{path}: not a drafter dataset (missing arrays {sorted(missing)})")
-            meta = json.loads(str(z["meta"])) if "meta" in z.files else {}
-            return cls(z["tokens"], z["loss_mask"], z["offsets"], meta)
-
-    def fingerprint(self) -> str:
-        """sha256 over the arrays (identifies the data a feature cache was computed from)."""
-        h = hashlib.sha256()
-        for a in (self.tokens, self.loss_mask, self.offsets):
-            h.update(np.ascontiguousarray(a).tobytes())
-        return h.hexdigest()
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -233,53 +131,6 @@ def corpus_prompts(
 
 
 @dataclass(frozen=True)
-class RegenerateConfig:
-    target_dir: str = "runs/target/export"
-    corpus_dir: str = "runs/data/corpus"
-    out_dir: str = "runs/draft_data"
-    num_prompts: int = 1536
-    num_val_prompts: int = 64
-    min_prompt_tokens: int = 32
-    max_prompt_tokens: int = 128
-    max_context: int | None = None  # also long prompts (concatenated files) up to this many tokens
-    long_fraction: float = 0.25  # share of prompts that are long when max_context is set
-    min_context: int | None = None  # shortest long prompt (default: max_prompt_tokens)
-    max_new_tokens: int = 160
-    # sampling settings, assigned round-robin over prompts (0.0 = greedy)
-    temperatures: tuple[float, ...] = (1.0, 0.7, 0.0)
-    top_p: float = 0.95
-    top_k: int = 0
-    min_loss_tokens: int = 8
-    max_num_seqs: int = 32
-    dtype: str = "bfloat16"
-    seed: int = 0
-    chunk_size: int = 256  # prompts per engine batch between progress reports / the time check
-    max_minutes: float | None = None  # stop early (keeping what was generated) when the time is up
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("num_prompts", "max_new_tokens", "max_num_seqs", "chunk_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"RegenerateConfig.{name} = {getattr(self, name)}: must be positive")
-        if self.num_val_prompts < 0 or self.min_loss_tokens < 0:
-            raise ValueError("RegenerateConfig: num_val_prompts and min_loss_tokens must be >= 0")
-        if not self.temperatures or any(t < 0 for t in self.temperatures):
-            raise ValueError(f"RegenerateConfig.temperatures = {self.temperatures}: give one or more values >= 0")
-        if self.max_context is not None and self.max_context < self.max_prompt_tokens:
-            raise ValueError(
-                f"RegenerateConfig.max_context = {self.max_context}: must be >= max_prompt_tokens "
-                f"({self.max_prompt_tokens}); raise --max-context or lower --max-prompt-tokens"
-            )
-        if self.min_context is not None and not (
-            self.max_context is not None and self.max_prompt_tokens <= self.min_context <= self.max_context
-        ):
-            raise ValueError(
-                f"RegenerateConfig.min_context = {self.min_context}: needs max_context and must lie in "
-                f"[max_prompt_tokens ({self.max_prompt_tokens}), max_context ({self.max_context})]"
-            )
-
-
-@dataclass(frozen=True)
 class RegenerateResult:
     out_dir: str
     train_samples: int
@@ -311,7 +162,7 @@ def regenerate_responses(
     return responses
 
 
-def sampling_params_for(cfg: RegenerateConfig, index: int, base_seed: int) -> Any:
+def sampling_params_for(cfg: DraftDataConfig, index: int, base_seed: int) -> Any:
     from dspark.sampling_params import SamplingParams
 
     t = cfg.temperatures[index % len(cfg.temperatures)]
@@ -325,18 +176,18 @@ def sampling_params_for(cfg: RegenerateConfig, index: int, base_seed: int) -> An
 
 
 def _make_samples(
-    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], min_loss_tokens: int
+    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], min_response_tokens: int
 ) -> tuple[list[tuple[list[int], list[int]]], int]:
     samples, dropped = [], 0
     for p, r in zip(prompts, responses):
-        if len(r) < max(2, min_loss_tokens):
+        if len(r) < max(2, min_response_tokens):
             dropped += 1
             continue
         samples.append(([*p, *r], [0] * len(p) + [1] * len(r)))
     return samples, dropped
 
 
-def draw_prompts(cfg: RegenerateConfig, encode: Callable[[str], list[int]]) -> tuple[list[list[int]], list[list[int]]]:
+def draw_prompts(cfg: DraftDataConfig, encode: Callable[[str], list[int]]) -> tuple[list[list[int]], list[list[int]]]:
     """(train, validation) prompts drawn from the corpus splits as ``cfg`` asks (see :func:`corpus_prompts`)."""
     corpus = Path(cfg.corpus_dir)
 
@@ -357,7 +208,7 @@ def draw_prompts(cfg: RegenerateConfig, encode: Callable[[str], list[int]]) -> t
     return train, corpus_prompts(texts("validation"), encode, cfg.num_val_prompts, seed=cfg.seed + 1, **kw)
 
 
-def fit_to_target(cfg: RegenerateConfig, max_model_len: int, say: Callable[[str], None]) -> RegenerateConfig:
+def fit_to_target(cfg: DraftDataConfig, max_model_len: int, say: Callable[[str], None]) -> DraftDataConfig:
     """Short prompts and responses cut to what the target holds (half its positions for the prompt at most, the
     rest for the response), said once; long prompts (``max_context``) are the user's explicit ask and must fit."""
     longest = (cfg.max_context or cfg.max_prompt_tokens) + cfg.max_new_tokens
@@ -376,15 +227,15 @@ def fit_to_target(cfg: RegenerateConfig, max_model_len: int, say: Callable[[str]
     return fitted
 
 
-def build_draft_dataset(cfg: RegenerateConfig) -> RegenerateResult:
+def build_draft_dataset(cfg: DraftDataConfig) -> RegenerateResult:
     """Prompts from the corpus splits, responses from the target; writes train/validation .npz + manifest."""
     from dspark.llm import build_engine
 
     t0 = time.perf_counter()
     out = Path(cfg.out_dir)
     corpus = Path(cfg.corpus_dir)
-    engine = build_engine(cfg.target_dir, None, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs, seed=cfg.seed)
-    say = (lambda m: print(m, file=sys.stderr, flush=True)) if cfg.progress else (lambda m: None)  # noqa: E731
+    engine = build_engine(cfg.target, None, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs, seed=cfg.seed)
+    say = progress_printer(cfg)
 
     cfg = fit_to_target(cfg, engine.max_model_len, say)
     encode = partial(engine.tokenizer.encode, add_special_tokens=False)  # text cut from inside a document: no BOS
@@ -393,7 +244,7 @@ def build_draft_dataset(cfg: RegenerateConfig) -> RegenerateResult:
 
     generated = 0
     gen_s = 0.0
-    meta_base = {"target_dir": str(cfg.target_dir), "config": _json_config(cfg)}
+    meta_base = {"target_dir": str(cfg.target), "config": cfg.to_json()}
 
     def run(prompts: list[list[int]], base_seed: int, split: str) -> tuple[DraftDataset, int]:
         nonlocal generated, gen_s
@@ -409,7 +260,7 @@ def build_draft_dataset(cfg: RegenerateConfig) -> RegenerateResult:
             responses = regenerate_responses(engine, chunk, params)
             gen_s += time.perf_counter() - g0
             generated += sum(len(r) for r in responses)
-            got, bad = _make_samples(chunk, responses, cfg.min_loss_tokens)
+            got, bad = _make_samples(chunk, responses, cfg.min_response_tokens)
             samples += got
             dropped += bad
             say(
@@ -434,12 +285,6 @@ def build_draft_dataset(cfg: RegenerateConfig) -> RegenerateResult:
         wall_clock_s=round(time.perf_counter() - t0, 1),
         generated_tokens_per_s=round(generated / max(gen_s, 1e-9), 1),
     )
-    (out / MANIFEST_FILE).write_text(json.dumps(asdict(result) | meta_base, indent=2) + "\n")
+    write_manifest(out / MANIFEST_FILE, asdict(result) | meta_base)
     say(f"draft-data: wrote {out} ({result.train_samples} train samples, {result.train_loss_tokens} loss tokens)")
     return result
-
-
-def _json_config(cfg: RegenerateConfig) -> dict[str, Any]:
-    d = asdict(cfg)
-    d["temperatures"] = list(cfg.temperatures)
-    return d

