@@ -661,7 +661,8 @@ SUBCOMMANDS = {
 # former subcommands, now sources of draft-data: a pointer to the new spelling, not a second implementation
 RENAMED = {
     "chat-data": "draft-data --source instructions-hf",
-    "sharegpt-data": "draft-data --source sharegpt-text (--source FILE is now --sharegpt-file FILE)",
+    "sharegpt-data": "draft-data --source sharegpt-text (--source FILE is now --sharegpt-file FILE, "
+    "--min-supervised --min-response-tokens, --max-conversations --num-prompts)",
     "sharegpt-regen": "draft-data --source sharegpt (--source FILE is now --sharegpt-file FILE)",
 }
 

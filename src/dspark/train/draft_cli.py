@@ -137,14 +137,15 @@ def _shard_spec(text: str) -> tuple[int, int]:
 
 def _data_help(name: str, text: str | None) -> str:
     """A flag's help, then the sources that read its field with its default for each (from draft_data)."""
-    from dspark.train.draft_data import READS, SOURCE_DEFAULTS, SOURCES, DraftDataConfig
+    from dspark.train.draft_data import ALWAYS_READ, READS, SOURCE_DEFAULTS, SOURCES, DraftDataConfig
 
     default = DraftDataConfig.__dataclass_fields__[name].default
-    sources = [s for s in SOURCES if name in READS[s]]
+    sources = [s for s in SOURCES if name in READS[s] or name in ALWAYS_READ]
+    show = lambda v: ",".join(map(str, v)) if isinstance(v, tuple) else str(v)  # noqa: E731  (as the flag takes it)
     if any(name in SOURCE_DEFAULTS[s] for s in sources):
-        shown = "; ".join(f"{s}: {SOURCE_DEFAULTS[s].get(name, default)}" for s in sources)
+        shown = "; ".join(f"{s}: {show(SOURCE_DEFAULTS[s].get(name, default))}" for s in sources)
     else:
-        shown = f"{', '.join(sources)}: {default}"
+        shown = f"{', '.join(sources)}: {show(default)}"
     return f"{text + ' ' if text else ''}[{shown}]"
 
 
