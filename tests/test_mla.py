@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+import dspark.native as native
 from dspark.config import DraftConfig, MLAConfig, RopeConfig, read_json
 from dspark.llm import OFFICIAL_DRAFT_CONFIG
 from dspark.models.layers import causal_mask
@@ -62,10 +63,11 @@ def test_absorbed_equals_naive(use_nope, gate, q_lora, yarn):
 @pytest.mark.parametrize("bias", [False, True])
 def test_long_chunks_run_in_query_blocks_with_the_same_result(monkeypatch, bias):
     """A prefill chunk whose scores exceed SCORE_BLOCK runs in blocks of query rows: same output (bool mask or
-    additive bias), and no block's scores exceed the budget."""
+    additive bias), and no block's scores exceed the budget (the modules' path)."""
     import dspark.models.mla as mla
     from dspark.models.layers import attention_bias
 
+    monkeypatch.setattr(mla, "NATIVE_INFERENCE", False)
     attn, rot = make(False, True, None, True)
     x = torch.randn(2, 23, 32)
     pos = torch.arange(23).expand(2, 23) + torch.tensor([[0], [7]])
@@ -84,6 +86,31 @@ def test_long_chunks_run_in_query_blocks_with_the_same_result(monkeypatch, bias)
         blocked = attn.attend_from_kv(x, cos, sin, kv, mask, absorbed=True)
     assert sizes == [5, 5, 5, 5, 3]
     torch.testing.assert_close(blocked, whole, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(native.ops() is None, reason="the native kernels are not built on this machine")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_long_chunks_run_in_query_blocks_bit_for_bit(monkeypatch, dtype):
+    """The native core bounds its scores the same way, and since each query row is computed alone the blocks give
+    the unblocked result bit for bit."""
+    import dspark.models.mla as mla
+
+    attn, rot = make(False, True, None, True)
+    attn = attn.to(dtype)
+    x = torch.randn(2, 23, 32).to(dtype)
+    pos = torch.arange(23).expand(2, 23) + torch.tensor([[0], [7]])
+    cos, sin = rot.cos_sin(pos)
+    mask = causal_mask(pos, torch.arange(30).expand(2, 30))
+    kv = torch.randn(2, 30, attn.cfg.latent_dim).to(dtype)
+    sizes = []
+    inner = attn._native_block
+    monkeypatch.setattr(attn, "_native_block", lambda ops, x, q, *a: sizes.append(q.shape[1]) or inner(ops, x, q, *a))
+    with torch.no_grad():
+        whole = attn.attend_from_kv(x, cos, sin, kv, mask, absorbed=True)
+        monkeypatch.setattr(mla, "SCORE_BLOCK", 2 * 4 * 30 * 5)  # 5 query rows per block
+        blocked = attn.attend_from_kv(x, cos, sin, kv, mask, absorbed=True)
+    assert sizes == [23, 5, 5, 5, 5, 3]
+    assert torch.equal(blocked, whole)
 
 
 def test_cached_latent_is_normalised_ckv_and_rotated_kpe():

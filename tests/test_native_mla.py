@@ -70,7 +70,7 @@ def test_native_core_equals_module_path(monkeypatch, T, gate, dtype):
     monkeypatch.setattr(attn, "_native_attend", lambda *a: calls.append(real(*a)) or calls[-1])
     with torch.no_grad():
         fast = attn.attend_queries(x, queries, kv, mask, True)
-        monkeypatch.setattr(mla, "NATIVE_ROWS", 0)
+        monkeypatch.setattr(mla, "NATIVE_INFERENCE", False)
         ref = attn.attend_queries(x, queries, kv, mask, True)
     assert calls[0] is not None and calls[1] is None  # the first call ran the kernel, the second the modules
     assert fast.dtype == ref.dtype and fast.shape == ref.shape == (3, T, attn.cfg.hidden_size)

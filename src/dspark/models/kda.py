@@ -155,7 +155,11 @@ def kda_chunked(
 # ---- the layer ------------------------------------------------------------------------------------------
 
 
-NATIVE_ROWS = 16  # rows per sequence up to which a forward runs the native recurrent form (decode, verification)
+# inference runs every row count through the native recurrent form (kda_rows): a prompt's state then has the same
+# bits whatever chunks it was prefilled in or where a cached prefix ends, and a verification's rows equal the decode
+# steps' (docs/performance.md, "Invariance"); it is also faster than the chunked form's matrices on a CPU. The
+# modules stay the reference and training's path; tests switch this off to run them.
+NATIVE_INFERENCE = True
 
 
 class GatedHeadNorm(nn.Module):
@@ -292,7 +296,7 @@ class KimiDeltaAttention(nn.Module, Packable):
         H, Dk = cfg.num_heads, cfg.head_dim
         lengths = torch.full((B,), T, dtype=torch.long, device=x.device) if lengths is None else lengths
         flat = store.read(self.layer_idx) if store is not None else None
-        if T <= NATIVE_ROWS and cfg.decode_recurrent and native.inference_ops() is not None:
+        if NATIVE_INFERENCE and cfg.decode_recurrent and native.inference_ops() is not None:
             return self._native_rows(x, flat, store, lengths)
         prev = self.empty_state(B, x.device) if flat is None else KDAState.unpack(flat, cfg, x.dtype)
         z, fa, ga, b = self.project(x)
@@ -323,7 +327,7 @@ class KimiDeltaAttention(nn.Module, Packable):
     def _native_rows(
         self, x: torch.Tensor, flat: torch.Tensor | None, store: StateStore | None, lengths: torch.Tensor
     ) -> torch.Tensor:
-        """A few rows per sequence through ``kda_rows`` (dspark/native/kda.cpp): the recurrent form, from the input
+        """Every row of a sequence through ``kda_rows`` (dspark/native/kda.cpp): the recurrent form, from the input
         projections to o_proj, as one native call (the module's operations and roundings, sums in another order).
         A verification's rows then equal the decode steps' rows bit for bit."""
         cfg = self.cfg

@@ -11,7 +11,7 @@ softmax, the reference) or "sdpa" (torch's fused scaled_dot_product_attention ke
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -32,10 +32,11 @@ from dspark.models.rope import apply_rope
 from dspark.profiling import scope
 
 SCORE_BLOCK = 1 << 21  # fp32 attention scores per block of query rows in absorbed prefill (8 MiB)
-# query rows per sequence up to which inference runs the attention core natively (mla_attend): a decode step and
-# an 8-row verification (measured on a k3-mini layer, bf16, 512 latents: 0.10 vs 0.33 ms at T=1, 0.43 vs 0.40 at
-# T=7, 2.4 vs 1.25 at T=16, where torch's bf16 GEMMs win)
-NATIVE_ROWS = 8
+# inference runs every row count through the native kernels (mla_project, mla_attend), each query row alone: a row's
+# result then depends only on its own inputs, never on the chunk it is prefilled in, where a cached prefix ends or
+# what shares the batch (docs/performance.md, "Invariance"). The modules stay the reference, training's path and the
+# fallback; tests switch this off to run them.
+NATIVE_INFERENCE = True
 NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -130,10 +131,10 @@ class MLAttention(nn.Module, Packable):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """``project`` as one native call (``mla_project``, dspark/native/mla_project.cpp: the same products, norms,
-        rotations and roundings, each row alone) for inference over a few rows per sequence; None where it does not
-        apply (no native kernels, grad mode, more rows, quantized, biased or mixed-dtype weights)."""
+        rotations and roundings, each row alone) for inference; None where it does not apply (no native kernels,
+        grad mode, quantized, biased or mixed-dtype weights)."""
         ops = native.inference_ops()
-        if ops is None or x.shape[1] > NATIVE_ROWS or x.dtype not in NATIVE_DTYPES:
+        if ops is None or not NATIVE_INFERENCE or x.dtype not in NATIVE_DTYPES:
             return None
         cfg = self.cfg
         lora = cfg.q_lora_rank is not None
@@ -310,10 +311,11 @@ class MLAttention(nn.Module, Packable):
         self, x: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor | None:
         """The absorbed core, output gate and o_proj in one native call (``mla_attend``: the torch backend's steps
-        and roundings, each query row alone) for inference over a few rows per sequence; None where it does not
-        apply (no native kernels, grad mode, sdpa backend, quantized or mismatched weights, other shapes)."""
-        B, T = q_nope.shape[:2]
-        if self.backend != "torch" or T > NATIVE_ROWS or torch.is_grad_enabled():
+        and roundings, each query row alone) for inference; None where it does not apply (no native kernels, grad
+        mode, sdpa backend, quantized or mismatched weights, other shapes). Long chunks go in blocks of query rows
+        whose fp32 scores stay within ``SCORE_BLOCK`` (rows are independent: the blocks change no bit)."""
+        B, T, H = q_nope.shape[:3]
+        if self.backend != "torch" or not NATIVE_INFERENCE or torch.is_grad_enabled():
             return None
         ops = native.inference_ops()
         dtype = q_nope.dtype
@@ -328,12 +330,24 @@ class MLAttention(nn.Module, Packable):
         bias = attention_bias(mask)
         if bias.dtype != torch.float32 or bias.shape != (B, 1, T, kv.shape[1]):
             return None
+        kv = same_dtype(kv, dtype)
+        rows = max(1, SCORE_BLOCK // max(1, B * H * kv.shape[1]))
+        parts = [
+            self._native_block(ops, x[:, i : i + rows], q_nope[:, i : i + rows], q_pe[:, i : i + rows], kv,
+                               bias[:, :, i : i + rows])
+            for i in range(0, T, rows)
+        ]  # fmt: skip
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+
+    def _native_block(
+        self, ops: Any, x: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor
+    ) -> torch.Tensor:
         w_uk_t, w_uv = self._native_weights()
         gate = self.cfg.use_output_gate
         return ops.mla_attend(
             q_nope,
             q_pe,
-            same_dtype(kv, dtype),
+            kv,
             bias,
             w_uk_t,
             w_uv,

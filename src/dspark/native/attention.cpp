@@ -124,38 +124,6 @@ inline const float* key_row(const T* src, float* buf, int64_t n) {
   return buf;
 }
 
-// x[s] = exp(x[s] − mx), 0 where x[s] is −inf (a hidden key): each element alone through vmath.h's vector exp where
-// the CPU has one (the same bits on AVX-512 and AVX2), so a row's weights never depend on the other rows of the call
-inline void exp_shifted(float* x, int64_t n, float mx) {
-  int64_t s = 0;
-#if defined(__AVX512F__)
-  const __m512 m = _mm512_set1_ps(mx), ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (; s < n; s += 16) {
-    const __mmask16 k = n - s >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - s)) - 1);
-    const __m512 v = _mm512_maskz_loadu_ps(k, x + s);
-    const __mmask16 hidden = _mm512_cmp_ps_mask(v, ninf, _CMP_EQ_OQ);
-    _mm512_mask_storeu_ps(x + s, k, _mm512_maskz_mov_ps(~hidden, exp16(_mm512_sub_ps(v, m))));
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  const __m256 m = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  for (; s + 8 <= n; s += 8) {
-    const __m256 v = _mm256_loadu_ps(x + s);
-    const __m256 visible = _mm256_cmp_ps(v, ninf, _CMP_NEQ_OQ);
-    _mm256_storeu_ps(x + s, _mm256_and_ps(visible, exp8(_mm256_sub_ps(v, m))));
-  }
-  if (s < n) {  // the tail through the same lanes' code
-    alignas(32) float t[8];
-    std::fill(t, t + 8, -std::numeric_limits<float>::infinity());
-    std::memcpy(t, x + s, sizeof(float) * (n - s));
-    const __m256 v = _mm256_load_ps(t);
-    _mm256_store_ps(t, _mm256_and_ps(_mm256_cmp_ps(v, ninf, _CMP_NEQ_OQ), exp8(_mm256_sub_ps(v, m))));
-    std::memcpy(x + s, t, sizeof(float) * (n - s));
-    s = n;
-  }
-#endif
-  for (; s < n; ++s) x[s] = std::isinf(x[s]) ? 0.f : std::exp(x[s] - mx);
-}
-
 template <typename T>
 void attend(const T* q, const T* plane, const int64_t* slots, const float* bias, T* out, int64_t B, int64_t H,
             int64_t T_, int64_t S, int64_t d, int64_t dv, int64_t W, int64_t n_kv, int64_t k_off, int64_t v_off,
