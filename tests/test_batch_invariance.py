@@ -1,5 +1,6 @@
-"""Batch invariance in the reduced-precision dtypes: a row's logits depend only on its own inputs, never on how
-many other rows share the forward or what they hold, for each native family (MLA, hybrid KDA + MLA, GQA). Greedy
+"""Invariance: a row's logits depend only on its own inputs, never on how many other rows share the forward or what
+they hold, nor on the chunks its prompt was prefilled in or where a cached prefix ended, for each native family
+(MLA, hybrid KDA + MLA, GQA) and dtype. Greedy
 speculation is lossless only if a verification (many rows per step) computes each row as a decode step (one row)
 does; in bf16 a different summation order flips near-tied argmaxes."""
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 import dspark.native as native
-from dspark.config import EngineConfig, SpeculativeConfig
+from dspark.config import CacheConfig, EngineConfig, SpeculativeConfig
 from dspark.engine.engine import Engine
 from dspark.llm import LLM
 from dspark.models.packing import pack_for_inference
@@ -72,10 +73,56 @@ def test_speculative_greedy_equals_plain_greedy_with_many_prompts_batched_in_bf1
 
 def test_the_engine_says_at_start_up_what_is_not_invariant(caplog) -> None:
     caplog.set_level(logging.INFO, logger="dspark.engine")
-    target, _ = reduced("mla", torch.bfloat16)
-    Engine(target, engine_config=EngineConfig(dtype="bfloat16"))
-    assert "bfloat16: each row's logits are independent of the batch" in caplog.text
-    assert "prefilled in other chunks" in caplog.text
-    caplog.clear()
-    Engine(build_tiny_pair(0)[0], engine_config=EngineConfig(dtype="float32"))
-    assert "independent of the batch" not in caplog.text
+    for dtype in ("bfloat16", "float32"):  # the native families: nothing to say, in any dtype
+        Engine(reduced("mla", DTYPES[dtype])[0], engine_config=EngineConfig(dtype=dtype))
+        Engine(reduced("hybrid-k3", DTYPES[dtype])[0], engine_config=EngineConfig(dtype=dtype))
+    assert "can round differently" not in caplog.text and "can change" not in caplog.text
+    Engine(reduced("gqa", torch.bfloat16)[0], engine_config=EngineConfig(dtype="bfloat16"))
+    assert "LlamaTarget, bfloat16: a prompt prefilled in other chunks" in caplog.text
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# the families whose every row count runs the row-alone native kernels; GQA prefill chunks of more than one row still
+# take torch's attention (SDPA), so only the batch a GQA decode row shares is covered there
+CHUNK_INVARIANT = ("mla", "hybrid-k3", "hybrid-kimi-linear")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_prompt_gives_the_same_bits_whatever_its_chunks_cached_prefix_or_company(family: str, dtype: str) -> None:
+    """Greedy tokens and their logprobs, bit for bit, for prompts sharing a 40-token prefix: all prefilled together in
+    one budget; in chunks of 1, 16 and 64 tokens; one, eight or all sequences at a time; with prefix caching (each
+    later prompt hits the first one's blocks, split mid-prompt, then every prompt again hits up to its last full
+    block); and speculatively."""
+    if family == "gqa" and dtype == "float32":
+        pytest.skip("fp32 GQA attention is torch's, the bit-exact reference, whose sums follow the padded batch")
+    target, drafter = reduced(family, DTYPES[dtype])
+    g = torch.Generator().manual_seed(11)
+    prefix = torch.randint(3, 96, (40,), generator=g).tolist()
+    lengths = torch.randint(3, 30, (12,), generator=g).tolist()
+    prompts = [prefix + torch.randint(3, 96, (n,), generator=g).tolist() for n in lengths]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+
+    def run(spec: SpeculativeConfig | None = None, cache: bool = False, **engine: int) -> list:
+        engine.setdefault("max_num_seqs", 24)
+        e = Engine(target, drafter if spec else None, spec, EngineConfig(dtype=dtype, **engine),
+                   CacheConfig(enable_prefix_caching=cache))  # fmt: skip
+        llm = LLM.from_engine(e)
+        if cache:  # the first prompt alone, then the rest (hits mid-prompt), then all again (hits to the last block)
+            llm.generate(prompts[:1], params)
+            llm.generate(prompts[1:], params)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+
+    ref = run(max_num_batched_tokens=2048)
+    assert all(len(ids) == 6 for ids, _ in ref)
+    for seqs in (1, 8):
+        assert run(max_num_seqs=seqs) == ref, f"{seqs} sequences at a time"
+    if family not in CHUNK_INVARIANT:
+        return
+    for budget in (1, 16, 64):
+        assert run(max_num_batched_tokens=budget) == ref, f"chunks of {budget}"
+    assert run(cache=True) == ref, "prefix-cache hits"
+    greedy = run(SpeculativeConfig(method="dspark", num_speculative_tokens=3), max_num_batched_tokens=16)
+    assert [ids for ids, _ in greedy] == [ids for ids, _ in ref], "speculative, chunks of 16"

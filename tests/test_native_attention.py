@@ -92,7 +92,9 @@ def test_a_gqa_target_decodes_alike_with_the_kernel_and_fp32_never_takes_it(monk
             return decode_logits(target, pool, B, P, ids, lengths)
 
     ref32 = run(torch.float32, False)
-    assert torch.equal(run(torch.float32, True), ref32) and not calls  # fp32: torch's attention, bit for bit
+    # fp32: torch's attention (its linears run the native dense kernel: the same sums in another order)
+    torch.testing.assert_close(run(torch.float32, True), ref32, rtol=1e-5, atol=1e-5)
+    assert not calls
     with_kernel, without = run(torch.bfloat16, True), run(torch.bfloat16, False)
     assert len(calls) == base.config.num_hidden_layers  # every layer of the decode step took the kernel
     noise = (without - ref32).abs().max()  # bf16's own distance from the fp32 reference

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import dspark.native as native
 from dspark import profiling, threads
 from dspark.bench.breakdown import exclusive_scope_times, kernel_times
 from dspark.cli import main
@@ -139,7 +140,8 @@ def _logits(model, ids):
 
 
 @pytest.mark.parametrize("family", ["mla", "llama", "llama-bias"])
-def test_fused_weights_give_bit_identical_fp32_logits(family):
+def test_fused_weights_give_bit_identical_fp32_logits(monkeypatch, family):
+    monkeypatch.setenv(native.ENV, "0")  # the modules' path, fp32's reference (the native kernels sum otherwise)
     if family == "mla":
         target, _ = build_tiny_pair(3)
     else:
@@ -164,7 +166,8 @@ def test_fused_weights_give_bit_identical_fp32_logits(family):
         assert mlp.fused_gate_up() is None and torch.equal(_logits(target, ids), fused)
 
 
-def test_grouped_moe_equals_the_per_expert_loop():
+def test_grouped_moe_equals_the_per_expert_loop(monkeypatch):
+    monkeypatch.setenv(native.ENV, "0")  # the experts' modules on both sides
     target, _ = build_tiny_pair(5)
     target = target.float()
     moe = next(layer.mlp for layer in target.model.layers if isinstance(layer.mlp, MoE))

@@ -586,23 +586,49 @@ def _compare_outputs(label: str, ids: list[list[int]], ar_engine, spec_engine, m
 
 
 def _compare_alone(label: str, ids: list[list[int]], ar_engine, spec_engine, max_tokens: int) -> int:
-    """Batch invariance: each prompt run alone (concurrency 1), target-only and speculative, against the target-only
-    output of all the prompts run together; print and count the prompts where any differs."""
+    """Invariance: each prompt run alone (concurrency 1), target-only and speculative, then all of them prefilled in
+    16-token chunks, then all of them again after a first run left their blocks cached (each prompt hits up to its
+    last full block), against the target-only output of all the prompts run together in one budget; print and count
+    the prompts where any differs."""
     from dspark.llm import LLM
     from dspark.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     together = [o.token_ids for o in LLM.from_engine(ar_engine).generate(ids, params)]
-    bad = 0
+    differ: list[set[str]] = [set() for _ in ids]
     for i, prompt in enumerate(ids):
-        alone = {name: LLM.from_engine(e).generate([prompt], params)[0].token_ids
-                 for name, e in (("target-only", ar_engine), ("speculative", spec_engine))}  # fmt: skip
-        differ = [name for name, out in alone.items() if out != together[i]]
-        bad += bool(differ)
-        print(f"{label + ' ' if label else ''}prompt {i} alone: " + (f"DIFFERS ({', '.join(differ)})" if differ else
-              "identical to the batch"))  # fmt: skip
-    print(f"{label + ': ' if label else ''}{len(ids) - bad}/{len(ids)} prompts identical alone and batched")
+        for name, e in (("alone, target-only", ar_engine), ("alone, speculative", spec_engine)):
+            if LLM.from_engine(e).generate([prompt], params)[0].token_ids != together[i]:
+                differ[i].add(name)
+    for name, engine, runs in _split_engines(ar_engine):
+        llm = LLM.from_engine(engine)
+        for _ in range(runs - 1):
+            llm.generate(ids, params)
+        for i, out in enumerate(llm.generate(ids, params)):
+            if out.token_ids != together[i]:
+                differ[i].add(name)
+    head = f"{label} " if label else ""
+    for i, names in enumerate(differ):
+        print(f"{head}prompt {i}: " + (f"DIFFERS ({', '.join(sorted(names))})" if names else "identical however run"))
+    bad = sum(bool(names) for names in differ)
+    print(f"{label + ': ' if label else ''}{len(ids) - bad}/{len(ids)} prompts identical alone, in 16-token chunks "
+          "and from the prefix cache as all together")  # fmt: skip
     return bad
+
+
+def _split_engines(ar_engine) -> list[tuple[str, object, int]]:
+    """Target-only engines over the same loaded target that split the same work otherwise: (name, engine, how many
+    times to run the prompts; the last run is compared)."""
+    from dataclasses import replace
+
+    from dspark.config import CacheConfig
+    from dspark.engine.engine import Engine
+
+    def variant(cache: bool = False, **cfg: int) -> Engine:
+        return Engine(ar_engine.target, engine_config=replace(ar_engine.cfg, **cfg),
+                      cache_config=CacheConfig(enable_prefix_caching=cache), tokenizer=ar_engine.tokenizer)  # fmt: skip
+
+    return [("in 16-token chunks", variant(max_num_batched_tokens=16), 1), ("prefix-cache hits", variant(True), 2)]
 
 
 def add_verify_lossless(sub: argparse._SubParsersAction) -> None:
@@ -618,8 +644,9 @@ def add_verify_lossless(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--invariance",
         action="store_true",
-        help="also run each prompt alone (target-only and speculative) and require the output of all of them "
-        "run together: a row's result must not depend on what shares its forward",
+        help="also run each prompt alone (target-only and speculative), all of them in 16-token prefill chunks and "
+        "from the prefix cache, and require the output of all of them run together: a row's result must not depend "
+        "on what shares its forward, the chunks its prompt was prefilled in or where a cached prefix ends",
     )
     add_max_tokens_arg(p, 64)
     add_model_arg(p)

@@ -48,11 +48,6 @@ if TYPE_CHECKING:
     from dspark.precision import Precision
 
 logger = logging.getLogger("dspark.engine")
-# said once per engine in bf16/fp16 (docs/performance.md, "Batch invariance"): what does and does not change a row
-INVARIANCE_NOTE = (
-    "%s: each row's logits are independent of the batch it shares; a prompt prefilled in other chunks (chunk size, "
-    "token budget, a prefix-cache hit) can round differently, and greedy text can then part where two logits tie"
-)
 
 
 class EngineError(ValueError):
@@ -199,8 +194,9 @@ class Engine:
         self.model_ref = model_ref  # the model as the user named it (directory, .gguf, alias, hub id)
         dformat = self.drafter.page_format if self.drafter is not None else None
         dtype = next(target.parameters()).dtype
-        if dtype != torch.float32:
-            logger.info(INVARIANCE_NOTE, str(dtype).removeprefix("torch."))
+        if target.invariance_note:  # said once (docs/performance.md, "Invariance")
+            logger.info("%s, %s: %s", type(target).__name__, str(dtype).removeprefix("torch."),
+                        target.invariance_note)  # fmt: skip
         self.pools = CachePools.build(target.page_format, dformat, num_pages, ccfg.page_size, dtype)
         self.pool = self.pools.target
         self.blocks = BlockManager(PageAllocator(num_pages, ccfg.page_size))

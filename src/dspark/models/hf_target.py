@@ -80,6 +80,14 @@ class HFTarget(nn.Module):
         return None
 
     @property
+    def invariance_note(self) -> str | None:
+        """transformers' modules run every forward: their GEMMs and attention block their sums by the shape."""
+        return (
+            "transformers' kernels: the batch, the prefill chunks and a prefix-cache hit can change a row's rounding, "
+            "and greedy text can then part where two logits tie"
+        )
+
+    @property
     def embed_tokens(self) -> nn.Embedding:
         return self.model.get_input_embeddings()
 

@@ -115,13 +115,6 @@ class KimiLinearTarget(DecoderTarget):
         b = cfg.base
         super().__init__(cfg, _Backbone(cfg), b.hidden_size, b.vocab_size, b.tie_word_embeddings, b.rope)
 
-    def fuse_for_inference(self) -> None:
-        """bf16/fp16: fused FFN weights (see DecoderTarget: SiTU experts stacked too) and each KDA layer's six
-        input projections (MLA layers: q|kv_a). fp32 weights stay as loaded: fused expert GEMMs round a few fp32
-        outputs differently, and fp32 is the reference the transformers parity tests pin bit for bit. Idempotent."""
-        if self.lm_head.weight.dtype == torch.float32:
-            return
-        super().fuse_for_inference()
 
     # the Target protocol ---------------------------------------------------------------------------
     @property

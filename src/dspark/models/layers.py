@@ -315,6 +315,13 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(hidden_size, rms_norm_eps)
 
 
+# without the native kernels every forward takes torch's modules, whose GEMMs block their sums by the row count
+NO_NATIVE_NOTE = (
+    "the native kernels are not built: the batch, the prefill chunks and a prefix-cache hit can change a row's "
+    "rounding, and greedy text can then part where two logits tie"
+)
+
+
 class DecoderTarget(nn.Module):
     """What every native decoder family shares: the HF-named backbone under ``model`` (``embed_tokens``,
     ``layers``, ``norm``), an lm_head (own or tied to the embedding) and the rotary tables. Subclasses add the
@@ -330,6 +337,12 @@ class DecoderTarget(nn.Module):
         if tie:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(rope)
+
+    @property
+    def invariance_note(self) -> str | None:
+        """None with the native kernels: every row count (decode, verification, prefill chunks) runs them one row
+        at a time, so a row's logits depend on nothing but its own tokens (docs/performance.md, "Invariance")."""
+        return None if native.ops() is not None else NO_NATIVE_NOTE
 
     @property
     def embed_tokens(self) -> nn.Embedding:

@@ -294,6 +294,14 @@ class LlamaTarget(DecoderTarget):
         super().__init__(cfg, model, cfg.hidden_size, cfg.vocab_size, cfg.tie_word_embeddings, cfg.rope)
 
     @property
+    def invariance_note(self) -> str | None:
+        """GQA prefill chunks of more than one row take torch's attention (SDPA), which sums in its own blocks."""
+        return super().invariance_note or (
+            "a prompt prefilled in other chunks (chunk size, token budget, a prefix-cache hit) can round differently "
+            "(GQA prefill attention is torch's), and greedy text can then part where two logits tie"
+        )
+
+    @property
     def page_format(self) -> PageFormat:
         cfg = self.config
         return PageFormat("gqa", 2 * cfg.num_key_value_heads * cfg.head_dim, cfg.num_hidden_layers)

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import dspark.native as native
+
 PACK_ROWS_HINT = 8  # the row count oneDNN lays the weight out for: an 8-token verify; fastest from M=1 to 64 here
 
 
@@ -64,7 +66,13 @@ class PackedWeight:
 def packed_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, on ``packed`` when it is a current copy of ``weight`` and no grad is needed."""
+    """``F.linear(x, weight, bias)``, on ``packed`` when it is a current copy of ``weight`` and no grad is needed.
+    fp32 inference runs the native ``dense_linear`` where it applies: MKL's fp32 GEMMs block their sums by the row
+    count, so a row's result would depend on its chunk and its batch (oneDNN's bf16 ones, packed, do not)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.device.type == "cpu":
+        ops = native.inference_ops()
+        if ops is not None and weight.is_contiguous():
+            return ops.dense_linear(x, weight, bias)
     if packed is None or torch.is_grad_enabled() or x.dtype != torch.bfloat16 or not packed.matches(weight):
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed.packed, bias, "none", [None], "")

@@ -121,6 +121,12 @@ class Target(Protocol):
     def state_spec(self) -> StateSpec | None: ...
 
     @property
+    def invariance_note(self) -> str | None:
+        """What besides a row's own tokens can change the rounding of its logits (the engine says it once at
+        start-up), or None when nothing can: not the batch, the prefill chunks nor a cached prefix."""
+        ...
+
+    @property
     def tap_streams(self) -> tuple[str, ...]:
         """Streams a tap can read, the default first ("residual"; AttnRes targets: "prefix", "residual"). A
         target with more than one is also called with ``tap_stream``."""

@@ -145,8 +145,7 @@ class MoE(nn.Module, Packable):
         inference on stacked experts: ~100-460 eager ops per layer become one. Rows are computed alone (a row's
         result does not depend on the batch: speculation stays lossless); the result equals the module path up to
         the order of the GEMM sums (fp32) or bf16/fp16 rounding. None where it does not apply (then the module path
-        runs): fp32 (see ``NATIVE_MOE_DTYPES``), no native build, grad mode, unstacked or quantized weights, mixed
-        dtypes."""
+        runs): no native build, grad mode, unstacked or quantized weights, mixed dtypes."""
         too_many = NATIVE_MOE_ROWS is not None and flat.shape[0] > NATIVE_MOE_ROWS
         if too_many or flat.dtype not in NATIVE_MOE_DTYPES or self.stacked_experts() is None:
             return None
@@ -243,8 +242,9 @@ class MoE(nn.Module, Packable):
 # (batched GEMMs that sum in another order) would make a row's bf16 result depend on the batch it shares, and greedy
 # speculation then differs from plain decoding. A test may set a cap to exercise the module path.
 NATIVE_MOE_ROWS: int | None = None
-# ... in these dtypes: fp32 stays the bit-exact reference (the native sums run in another order; tests add fp32)
-NATIVE_MOE_DTYPES = (torch.bfloat16, torch.float16)
+# ... in these dtypes: every one, fp32 too (its batched GEMMs would make a row depend on its batch and chunk; the
+# module path stays the reference, in grad mode and with the native kernels off)
+NATIVE_MOE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def plain_weight(lin: nn.Module, dtype: torch.dtype) -> torch.Tensor | None:
