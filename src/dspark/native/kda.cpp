@@ -1,5 +1,5 @@
-// kda_rows: a few tokens per sequence (a decode step, a verification) through a Kimi Delta Attention layer
-// (models/kda.py), from its input projections to the input of o_proj, in one call instead of ~90 eager ops (decode)
+// kda_rows: the tokens of each sequence (a decode step, a verification, a prefill chunk) through a Kimi Delta
+// Attention layer (models/kda.py), from its input projections to the input of o_proj, in one call instead of ~90 eager ops (decode)
 // or ~145 (the chunked form of an 8-row verification): the short causal conv + SiLU, the forget gate (f_b
 // projection, dt_bias, the Kimi Linear softplus or the K3 lower-bounded sigmoid), β, the L2 norms, the delta rule
 // token by token (the recurrent form) and the gated per-head RMSNorm. The input projections and o_proj stay with

@@ -1,6 +1,6 @@
 // mla_attend: the absorbed Multi-head Latent Attention core of models/mla.py (MLAttention.attend_queries with
-// absorbed=True, backend "torch") for a few query rows per sequence (decode, verification), in one call instead of
-// ~30 eager ops per layer. Compiled with kernels.cpp into one library, one torch.ops namespace.
+// absorbed=True, backend "torch") for the query rows of each sequence (decode, verification, prefill chunks), in one
+// call instead of ~30 eager ops per layer. Compiled with kernels.cpp into one library, one torch.ops namespace.
 //
 //   q_nope [B, T, H, Dn]   q_pe [B, T, H, R] (rotated)      the projected queries, model dtype
 //   kv     [B, S, C+R]     the visible latents [kv_a_layernorm(c_kv) | rope(k_pe)], model dtype

@@ -1,5 +1,5 @@
-// mla_project: the projections of models/mla.py's MLAttention.project for a few rows per sequence (decode,
-// verification) in one call instead of ~25 eager ops per layer: the query (q_proj, or q_a_proj → q_a_layernorm →
+// mla_project: the projections of models/mla.py's MLAttention.project for every row (decode, verification,
+// prefill chunks) in one call instead of ~25 eager ops per layer: the query (q_proj, or q_a_proj → q_a_layernorm →
 // q_b_proj), the latent (kv_a_proj_with_mqa → kv_a_layernorm on c_kv) and the RoPE of q_pe and k_pe (unless the
 // model uses no position encoding in MLA, use_nope).
 //
