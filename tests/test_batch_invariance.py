@@ -71,22 +71,18 @@ def test_speculative_greedy_equals_plain_greedy_with_many_prompts_batched_in_bf1
     assert together == alone and speculative == alone
 
 
-def test_the_engine_says_at_start_up_what_is_not_invariant(caplog) -> None:
+def test_the_engine_says_at_start_up_what_is_not_invariant(caplog, monkeypatch) -> None:
     caplog.set_level(logging.INFO, logger="dspark.engine")
-    for dtype in ("bfloat16", "float32"):  # the native families: nothing to say, in any dtype
-        Engine(reduced("mla", DTYPES[dtype])[0], engine_config=EngineConfig(dtype=dtype))
-        Engine(reduced("hybrid-k3", DTYPES[dtype])[0], engine_config=EngineConfig(dtype=dtype))
-    assert "can round differently" not in caplog.text and "can change" not in caplog.text
-    Engine(reduced("gqa", torch.bfloat16)[0], engine_config=EngineConfig(dtype="bfloat16"))
-    assert "LlamaTarget, bfloat16: a prompt prefilled in other chunks" in caplog.text
+    for family in FAMILIES:  # the native families: nothing to say, in any dtype
+        for dtype in ("bfloat16", "float32"):
+            Engine(reduced(family, DTYPES[dtype])[0], engine_config=EngineConfig(dtype=dtype))
+    assert "can change a row's rounding" not in caplog.text
+    monkeypatch.setenv(native.ENV, "0")  # without the native kernels every forward takes the modules
+    Engine(reduced("mla", torch.bfloat16)[0], engine_config=EngineConfig(dtype="bfloat16"))
+    assert "MLATarget, bfloat16: the native kernels are not built" in caplog.text
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-# the families whose every row count runs the row-alone native kernels; GQA prefill chunks of more than one row still
-# take torch's attention (SDPA), so only the batch a GQA decode row shares is covered there
-CHUNK_INVARIANT = ("mla", "hybrid-k3", "hybrid-kimi-linear")
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -96,8 +92,6 @@ def test_a_prompt_gives_the_same_bits_whatever_its_chunks_cached_prefix_or_compa
     one budget; in chunks of 1, 16 and 64 tokens; one, eight or all sequences at a time; with prefix caching (each
     later prompt hits the first one's blocks, split mid-prompt, then every prompt again hits up to its last full
     block); and speculatively."""
-    if family == "gqa" and dtype == "float32":
-        pytest.skip("fp32 GQA attention is torch's, the bit-exact reference, whose sums follow the padded batch")
     target, drafter = reduced(family, DTYPES[dtype])
     g = torch.Generator().manual_seed(11)
     prefix = torch.randint(3, 96, (40,), generator=g).tolist()
@@ -119,8 +113,6 @@ def test_a_prompt_gives_the_same_bits_whatever_its_chunks_cached_prefix_or_compa
     assert all(len(ids) == 6 for ids, _ in ref)
     for seqs in (1, 8):
         assert run(max_num_seqs=seqs) == ref, f"{seqs} sequences at a time"
-    if family not in CHUNK_INVARIANT:
-        return
     for budget in (1, 16, 64):
         assert run(max_num_batched_tokens=budget) == ref, f"chunks of {budget}"
     assert run(cache=True) == ref, "prefix-cache hits"

@@ -74,7 +74,7 @@ def decode_logits(target, pool, B, P, ids, lengths):
 
 
 @needs_native
-def test_a_gqa_target_decodes_alike_with_the_kernel_and_fp32_never_takes_it(monkeypatch) -> None:
+def test_a_gqa_target_attends_alike_with_the_kernel_in_every_dtype(monkeypatch) -> None:
     calls = []
     real = BatchStore.paged_attention
     monkeypatch.setattr(BatchStore, "paged_attention", lambda self, *a: calls.append(1) or real(self, *a))
@@ -92,11 +92,13 @@ def test_a_gqa_target_decodes_alike_with_the_kernel_and_fp32_never_takes_it(monk
             return decode_logits(target, pool, B, P, ids, lengths)
 
     ref32 = run(torch.float32, False)
-    # fp32: torch's attention (its linears run the native dense kernel: the same sums in another order)
-    torch.testing.assert_close(run(torch.float32, True), ref32, rtol=1e-5, atol=1e-5)
     assert not calls
+    # fp32 takes the kernel too (the prefill and the decode step): torch's sums in another order
+    torch.testing.assert_close(run(torch.float32, True), ref32, rtol=1e-5, atol=1e-5)
+    assert len(calls) == 2 * base.config.num_hidden_layers
+    calls.clear()
     with_kernel, without = run(torch.bfloat16, True), run(torch.bfloat16, False)
-    assert len(calls) == base.config.num_hidden_layers  # every layer of the decode step took the kernel
+    assert len(calls) == 2 * base.config.num_hidden_layers  # every layer of the prefill and the decode step
     noise = (without - ref32).abs().max()  # bf16's own distance from the fp32 reference
     assert (with_kernel - without).abs().max() <= 2 * noise + 1e-3
     assert (with_kernel.argmax(-1) == without.argmax(-1)).float().mean() >= 2 / 3

@@ -38,7 +38,10 @@ from dspark.models.quantized import QuantGroup, QuantLinear
 from dspark.models.rope import apply_rope_half, half_rotation_tables
 from dspark.profiling import scope
 
-NATIVE_LAYER_ROWS = 16  # rows per sequence up to which a GGUF layer runs as one native call (decode, verify)
+# a GGUF layer runs as one native call for every row count (decode, verification, prefill chunks): another path
+# for longer chunks would make a prompt's rows depend on the chunks it was prefilled in; tests lower it to run the
+# modules
+NATIVE_LAYER_ROWS: int | None = None
 
 
 class GQAttention(nn.Module, Packable):
@@ -131,8 +134,8 @@ class GQAttention(nn.Module, Packable):
         B, T, _ = x.shape
         with scope("attn.proj"):
             q, rows = self.project(x, cos2, sin2)  # q [B, H, T, hd]
-        if T == 1 and cache is not None and mask is not CAUSAL and q.dtype != torch.float32:
-            out = self.decode_in_place(q, rows, mask, cache)
+        if cache is not None and mask is not CAUSAL:
+            out = self.attend_in_place(q, rows, mask, cache)
             if out is not None:
                 return self.o_proj(out.transpose(1, 2).flatten(2))
         with scope("cache"):
@@ -148,11 +151,11 @@ class GQAttention(nn.Module, Packable):
                 out = grouped_sdpa(q, k.transpose(1, 2), v.transpose(1, 2), bias, self.scale)
             return self.o_proj(out.transpose(1, 2).flatten(2))
 
-    def decode_in_place(self, q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor, cache: CacheView):
-        """One-token decode in reduced precision: write the new rows, then the native kernel reads keys and values
-        where they lie in the pool (no gathered copy); None where the cache or the kernels cannot (the caller's
-        path then writes the same rows again).
-        fp32, the bit-exact reference, always takes torch's attention."""
+    def attend_in_place(self, q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor, cache: CacheView):
+        """Attention over the paged cache, any number of rows (decode, verification, prefill): write the new rows,
+        then the native kernel reads keys and values where they lie in the pool (no gathered copy), each query row
+        alone, so a row's result does not depend on its chunk, a cached prefix or the batch; None where the cache or
+        the kernels cannot (the caller's path, torch's attention, then writes the same rows again)."""
         attend = getattr(cache, "paged_attention", None)
         if attend is None or native.ops() is None:
             return None
@@ -186,13 +189,13 @@ class DecoderLayer(nn.Module):
     def native_forward(self, h, cos2, sin2, mask, cache: CacheView | None) -> torch.Tensor | None:
         """The whole layer as one native call (``gqa_layer``, dspark/native/layer.cpp) where it applies: fp32
         inference over GGUF blocks (q|k|v and gate|up grouped, o and down quantized, the native norms), a paged
-        fp32 cache, up to ``NATIVE_LAYER_ROWS`` rows per sequence, however many sequences. A decode step and a
-        verification both take it, row by row the same arithmetic whatever shares the forward (24 requests'
-        verifications are 192 rows; another path above some row count would change a row's result), so speculative
-        output equals plain decoding;
+        fp32 cache, any number of rows per sequence (``NATIVE_LAYER_ROWS``), however many sequences. A decode step,
+        a verification and a prefill chunk all take it, row by row the same arithmetic whatever shares the forward
+        (24 requests' verifications are 192 rows; another path above some row count would change a row's result), so
+        speculative output equals plain decoding and a prompt's rows do not depend on its chunks;
         None elsewhere (the modules below run)."""
         B, T, _ = h.shape
-        if T > NATIVE_LAYER_ROWS or h.dtype != torch.float32 or mask is CAUSAL:
+        if (NATIVE_LAYER_ROWS is not None and T > NATIVE_LAYER_ROWS) or h.dtype != torch.float32 or mask is CAUSAL:
             return None
         plane_of = getattr(cache, "plane_and_slots", None)
         ops = native.ops()
@@ -294,14 +297,6 @@ class LlamaTarget(DecoderTarget):
         super().__init__(cfg, model, cfg.hidden_size, cfg.vocab_size, cfg.tie_word_embeddings, cfg.rope)
 
     @property
-    def invariance_note(self) -> str | None:
-        """GQA prefill chunks of more than one row take torch's attention (SDPA), which sums in its own blocks."""
-        return super().invariance_note or (
-            "a prompt prefilled in other chunks (chunk size, token budget, a prefix-cache hit) can round differently "
-            "(GQA prefill attention is torch's), and greedy text can then part where two logits tie"
-        )
-
-    @property
     def page_format(self) -> PageFormat:
         cfg = self.config
         return PageFormat("gqa", 2 * cfg.num_key_value_heads * cfg.head_dim, cfg.num_hidden_layers)
@@ -320,7 +315,7 @@ class LlamaTarget(DecoderTarget):
             or ops is None
             or not hasattr(ops, "gqa_stack")
             or torch.is_grad_enabled()
-            or T > NATIVE_LAYER_ROWS
+            or (NATIVE_LAYER_ROWS is not None and T > NATIVE_LAYER_ROWS)
             or h.dtype != torch.float32
             or mask is CAUSAL
             or not h.is_contiguous()

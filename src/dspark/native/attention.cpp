@@ -29,8 +29,10 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#include "attend_rows.h"
 #include "vmath.h"
 
 namespace {
@@ -125,71 +127,45 @@ inline const float* key_row(const T* src, float* buf, int64_t n) {
 }
 
 template <typename T>
+constexpr WType wtype_of_t() {
+  if constexpr (std::is_same_v<T, float>) return WType::F32;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) return WType::BF16;
+  return WType::F16;
+}
+
+constexpr int64_t kBlockPositions = 32;  // query positions per call of attend_rows: their scores stay bounded
+
+// every sequence's query rows, per KV head and per block of positions, through attend_rows (attend_rows.h): the keys
+// and values read in place where the slots put them, each query row alone
+template <typename T>
 void attend(const T* q, const T* plane, const int64_t* slots, const float* bias, T* out, int64_t B, int64_t H,
             int64_t T_, int64_t S, int64_t d, int64_t dv, int64_t W, int64_t n_kv, int64_t k_off, int64_t v_off,
             float scale) {
-  const int64_t g = H / n_kv;
-  const int64_t R = H * T_;  // query rows of a sequence: row r = (head h, position t), r = h·T + t
+  constexpr WType WT = wtype_of_t<T>();
+  const int64_t g = H / n_kv, P = std::min(T_, kBlockPositions), M = P * g;
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(R * d), scores(R * S), acc(R * dv), row(W), denom(R);
-    std::vector<int64_t> row_t(R), row_kv(R);  // each query row's position and KV head (no divisions per score)
-    for (int64_t r = 0; r < R; ++r) {
-      row_t[r] = r % T_;
-      row_kv[r] = (r / T_) / g;
-    }
+    std::vector<float> qf(M * d), p(M * S), o(M * dv);
+    std::vector<const uint8_t*> keys(S), values(S);
     for (int64_t b = begin; b < end; ++b) {
-      to_float(q + b * R * d, qf.data(), R * d);
-      for (int64_t e = 0; e < R * d; ++e) qf[e] *= scale;
       const int64_t* sl = slots + b * S;
-      const float* bb = bias + b * T_ * S;
-      // pass 1: every key row once (all heads, read in place when fp32), scores of every query row: the rows of a KV
-      // head four at a time (dot4) where the head size allows, else one by one
-      for (int64_t s = 0; s < S; ++s) {
-        const float* keys = key_row(plane + sl[s] * W + k_off, row.data(), n_kv * d);
-        for (int64_t j = 0; j < n_kv; ++j) {
-          const float* k = keys + j * d;
-          const int64_t r1 = (j + 1) * g * T_;
-          for (int64_t r = j * g * T_; r < r1; r += 4) {
-            float dots[4];
-            const int64_t n = std::min<int64_t>(4, r1 - r);
-            if (kDot4 && d % 16 == 0) {
-              dot4(qf.data() + r * d, n, k, d, dots);
-            } else {
-              for (int64_t i = 0; i < n; ++i) dots[i] = dot(qf.data() + (r + i) * d, k, d);
-            }
-            for (int64_t i = 0; i < n; ++i) {
-              const float m = bb[row_t[r + i] * S + s];
-              scores[(r + i) * S + s] = std::isinf(m) ? -std::numeric_limits<float>::infinity() : dots[i] + m;
-            }
+      for (int64_t j = 0; j < n_kv; ++j) {
+        for (int64_t s = 0; s < S; ++s) {
+          keys[s] = reinterpret_cast<const uint8_t*>(plane + sl[s] * W + k_off + j * d);
+          values[s] = reinterpret_cast<const uint8_t*>(plane + sl[s] * W + v_off + j * dv);
+        }
+        for (int64_t t0 = 0; t0 < T_; t0 += P) {
+          const int64_t n = std::min(P, T_ - t0), m = n * g;  // rows (position t0 + i / g, head j·g + i % g)
+          for (int64_t i = 0; i < m; ++i) {
+            const T* src = q + ((b * H + j * g + i % g) * T_ + t0 + i / g) * d;
+            for (int64_t e = 0; e < d; ++e) qf[i * d + e] = static_cast<float>(src[e]) * scale;
+          }
+          attend_rows<WT>(qf.data(), d, keys.data(), values.data(), dv, WType::F32, bias + (b * T_ + t0) * S, m, g,
+                          S, 1.0f, o.data(), p.data());
+          for (int64_t i = 0; i < m; ++i) {
+            T* dst = out + ((b * H + j * g + i % g) * T_ + t0 + i / g) * dv;
+            for (int64_t e = 0; e < dv; ++e) dst[e] = static_cast<T>(o[i * dv + e]);
           }
         }
-      }
-      for (int64_t r = 0; r < R; ++r) {
-        float* sr = scores.data() + r * S;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t s = 0; s < S; ++s) mx = std::max(mx, sr[s]);
-        exp_shifted(sr, S, mx);
-        float sum = 0.f;
-        for (int64_t s = 0; s < S; ++s) sum += sr[s];
-        denom[r] = sum;
-      }
-      // pass 2: every value row once, weighted into every query row
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t s = 0; s < S; ++s) {
-        const float* values = key_row(plane + sl[s] * W + v_off, row.data(), n_kv * dv);
-        for (int64_t r = 0; r < R; ++r) {
-          const float w = scores[r * S + s];
-          if (w == 0.f) continue;
-          const float* v = values + row_kv[r] * dv;
-          float* a = acc.data() + r * dv;
-#pragma omp simd
-          for (int64_t e = 0; e < dv; ++e) a[e] += w * v[e];
-        }
-      }
-      T* o = out + b * R * dv;
-      for (int64_t r = 0; r < R; ++r) {
-        const float inv = denom[r] > 0.f ? 1.f / denom[r] : 0.f;
-        for (int64_t e = 0; e < dv; ++e) o[r * dv + e] = static_cast<T>(acc[r * dv + e] * inv);
       }
     }
   });

@@ -30,8 +30,8 @@
 #include <optional>
 #include <vector>
 
+#include "attend_rows.h"
 #include "dense.h"
-#include "vmath.h"
 
 namespace {
 
@@ -42,177 +42,6 @@ DenseW head_rows(const at::Tensor& w, int64_t h) {
   const int64_t N = w.size(1), K = w.size(2);
   const int64_t esize = w.scalar_type() == at::kFloat ? 4 : 2;
   return DenseW{static_cast<const uint8_t*>(w.data_ptr()) + h * N * K * esize, wtype_of(w, "mla_attend"), N, K};
-}
-
-// out[j] = Σ_k row[k]·x[j][k] for N query vectors against one latent row, each sum in dot_row's order (one lane
-// accumulator over k, then a fixed lane reduction): a query's score does not depend on its tile-mates
-template <WType T, int N>
-inline void dots(const void* row, const float* x, int64_t ldx, int64_t K, float* out) {
-#if defined(DSPARK_DENSE512)
-  __m512 acc[N];
-  for (int j = 0; j < N; ++j) acc[j] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    const __m512 w = load16<T>(row, k, 0xFFFF);
-    for (int j = 0; j < N; ++j) acc[j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + j * ldx + k), acc[j]);
-  }
-  if (k < K) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (K - k)) - 1);
-    const __m512 w = load16<T>(row, k, m);
-    for (int j = 0; j < N; ++j) acc[j] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(m, x + j * ldx + k), acc[j]);
-  }
-  for (int j = 0; j < N; ++j) out[j] = _mm512_reduce_add_ps(acc[j]);
-#else
-  for (int j = 0; j < N; ++j) out[j] = dot_row<T>(row, x + j * ldx, K);
-#endif
-}
-
-// out[4·j + k] = Σ_w q_j[w]·kv_k[w] for 4 query rows j (stride ldq) and 4 latent rows k (stride W), each sum in
-// dots' order (one lane accumulator over w, then a fixed lane reduction): a score never depends on its tile-mates
-template <WType T>
-inline void dots4x4(const uint8_t* kv, int64_t W, const float* q, int64_t ldq, float* out) {
-  const int64_t esize = T == WType::F32 ? 4 : 2;
-#if defined(DSPARK_DENSE512)
-  __m512 acc[4][4];
-  for (int j = 0; j < 4; ++j)
-    for (int k = 0; k < 4; ++k) acc[j][k] = _mm512_setzero_ps();
-  for (int64_t w = 0; w < W; w += 16) {
-    const __mmask16 m = W - w >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (W - w)) - 1);
-    __m512 kvv[4];
-    for (int k = 0; k < 4; ++k) kvv[k] = load16<T>(kv + k * W * esize, w, m);
-    for (int j = 0; j < 4; ++j) {
-      const __m512 x = _mm512_maskz_loadu_ps(m, q + j * ldq + w);
-      for (int k = 0; k < 4; ++k) acc[j][k] = _mm512_fmadd_ps(kvv[k], x, acc[j][k]);
-    }
-  }
-  for (int j = 0; j < 4; ++j)
-    for (int k = 0; k < 4; ++k) out[4 * j + k] = _mm512_reduce_add_ps(acc[j][k]);
-#else
-  for (int j = 0; j < 4; ++j)
-    for (int k = 0; k < 4; ++k) out[4 * j + k] = dot_row<T>(kv + k * W * esize, q + j * ldq, W);
-#endif
-}
-
-// o_j[c] = Σ_s p_j[s]·kv[s][c] for c < C and N query rows j (probabilities p_j, row stride S; outputs o_j, stride
-// C): each output its own sum over the latent rows in their order, a row's hidden keys (p 0) skipped, so a row's
-// result is the same in any tile. A latent row is read once for the N rows.
-template <WType T, int N>
-void weighted_latents(const float* p, int64_t S, const uint8_t* kv, int64_t W, int64_t C, float* o) {
-  const int64_t esize = T == WType::F32 ? 4 : 2;
-  int64_t c = 0;
-#if defined(DSPARK_DENSE512)
-  for (; c < C; c += 64) {  // 4 registers of outputs per row held across all latent rows
-    const int64_t n = std::min<int64_t>(64, C - c);
-    __mmask16 m[4];
-    for (int j = 0; j < 4; ++j) {
-      const int64_t left = std::max<int64_t>(0, std::min<int64_t>(16, n - 16 * j));
-      m[j] = static_cast<__mmask16>(left == 16 ? 0xFFFF : (1u << left) - 1);
-    }
-    __m512 acc[N][4];
-    for (int r = 0; r < N; ++r)
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
-    for (int64_t s = 0; s < S; ++s) {
-      bool any = false;
-      for (int r = 0; r < N; ++r) any |= p[r * S + s] != 0.f;
-      if (!any) continue;
-      const void* row = kv + s * W * esize;
-      __m512 v[4];
-      for (int j = 0; j < 4; ++j) v[j] = load16<T>(row, c + 16 * j, m[j]);
-      for (int r = 0; r < N; ++r) {
-        if (p[r * S + s] == 0.f) continue;
-        const __m512 w = _mm512_set1_ps(p[r * S + s]);
-        for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(w, v[j], acc[r][j]);
-      }
-    }
-    for (int r = 0; r < N; ++r)
-      for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(o + r * C + c + 16 * j, m[j], acc[r][j]);
-  }
-#else
-  for (int r = 0; r < N; ++r) std::fill(o + r * C, o + r * C + C, 0.f);
-  for (int64_t s = 0; s < S; ++s) {
-    const uint8_t* row = kv + s * W * esize;
-    for (int r = 0; r < N; ++r) {
-      const float w = p[r * S + s];
-      if (w == 0.f) continue;
-      float* orow = o + r * C;
-      for (c = 0; c < C; ++c) orow[c] = orow[c] + w * widen<T>(row, c);
-    }
-  }
-#endif
-}
-
-constexpr int64_t kKeyBlock = 256;  // latent rows scored against every query tile before the next block (~300 KB)
-
-// one query row's raw scores p [S] → its attention weights as torch's softmax computes them in the model dtype:
-// x = round(score)·scale + bias, exp(x − max) (hidden keys 0), times 1 / Σ (summed in key order), rounded to md.
-// Each element alone but the max and the sum, whose orders do not depend on anything but S.
-inline void softmax_row(float* p, const float* bias, int64_t S, float scale, WType md) {
-  float mx = -std::numeric_limits<float>::infinity();
-  int64_t s = 0;
-#if defined(DSPARK_DENSE512)
-  __m512 vmx = _mm512_set1_ps(mx);
-  for (; s + 16 <= S; s += 16) {
-    const __m512 r = _mm512_mul_ps(round16(_mm512_loadu_ps(p + s), md), _mm512_set1_ps(scale));
-    const __m512 x = _mm512_add_ps(r, _mm512_loadu_ps(bias + s));
-    _mm512_storeu_ps(p + s, x);
-    vmx = _mm512_max_ps(vmx, x);
-  }
-  mx = _mm512_reduce_max_ps(vmx);
-#endif
-  for (; s < S; ++s) {
-    const float r = round_as(p[s], md) * scale;
-    p[s] = r + bias[s];
-    mx = std::max(mx, p[s]);
-  }
-  exp_shifted(p, S, mx);
-  float sum = 0.f;
-  for (s = 0; s < S; ++s) sum += p[s];
-  const float inv = 1.f / sum;
-  s = 0;
-#if defined(DSPARK_DENSE512)
-  for (; s + 16 <= S; s += 16) _mm512_storeu_ps(p + s, round16(_mm512_mul_ps(_mm512_loadu_ps(p + s), _mm512_set1_ps(inv)), md));
-#endif
-  for (; s < S; ++s) p[s] = round_as(p[s] * inv, md);
-}
-
-// scores, softmax and probs·latents of one sequence's query rows: q [M, W] fp32 (row i = (position i / H, head
-// i % H)), kv [S, W], bias [T, S] → o_lat [M, C] rounded to md. Every latent row is read once for all query rows;
-// each query row's sums run over the latent rows in their order, whatever M. A key hidden from a row (bias −inf:
-// a later position of a prefill chunk, padding) is not scored for it: its weight is 0 either way.
-template <WType T>
-void attend_seq(const float* q, const uint8_t* kv, WType md, const float* bias, int64_t M, int64_t H, int64_t S,
-                int64_t W, int64_t C, float scale, float* o_lat, float* p) {
-  const int64_t esize = T == WType::F32 ? 4 : 2;
-  const float ninf = -std::numeric_limits<float>::infinity();
-  auto hidden = [&](int64_t i, int64_t s) { return bias[(i / H) * S + s] == ninf; };
-  auto score_one = [&](int64_t i, int64_t s) {
-    if (hidden(i, s)) p[i * S + s] = 0.f;  // + the bias below: −inf, as a score would give
-    else dots<T, 1>(kv + s * W * esize, q + i * W, W, W, p + i * S + s);
-  };
-  float sc[16];
-  const int64_t M4 = M - M % 4, S4 = S - S % 4;
-  for (int64_t s0 = 0; s0 < S4; s0 += kKeyBlock) {  // a block of latent rows stays in cache for every query tile
-    const int64_t s1 = std::min(S4, s0 + kKeyBlock);
-    for (int64_t i = 0; i < M4; i += 4)
-      for (int64_t s = s0; s < s1; s += 4) {
-        bool all_hidden = true;
-        for (int j = 0; j < 4 && all_hidden; ++j)
-          for (int k = 0; k < 4 && all_hidden; ++k) all_hidden = hidden(i + j, s + k);
-        if (all_hidden) {
-          for (int j = 0; j < 4; ++j) std::fill(p + (i + j) * S + s, p + (i + j) * S + s + 4, 0.f);
-          continue;
-        }
-        dots4x4<T>(kv + s * W * esize, W, q + i * W, W, sc);
-        for (int j = 0; j < 4; ++j) std::copy(sc + 4 * j, sc + 4 * j + 4, p + (i + j) * S + s);
-      }
-  }
-  for (int64_t i = 0; i < M; ++i)  // the rest: latent rows past the last full 4, query rows past the last full 4
-    for (int64_t s = i < M4 ? S4 : 0; s < S; ++s) score_one(i, s);
-  for (int64_t i = 0; i < M; ++i) softmax_row(p + i * S, bias + (i / H) * S, S, scale, md);
-  int64_t i = 0;
-  for (; i + 4 <= M; i += 4) weighted_latents<T, 4>(p + i * S, S, kv, W, C, o_lat + i * C);
-  for (; i < M; ++i) weighted_latents<T, 1>(p + i * S, S, kv, W, C, o_lat + i * C);
-  round_all(o_lat, M * C, md);
 }
 
 at::Tensor mla_attend(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& kv_in,
@@ -266,14 +95,16 @@ at::Tensor mla_attend(const at::Tensor& q_nope, const at::Tensor& q_pe, const at
   const int64_t M = T * H;
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> p(M * S);
+    std::vector<const uint8_t*> rows(S);
     for (int64_t b = b0; b < b1; ++b) {
       const float* qb = q.data() + b * M * W;
       const uint8_t* kvb = kv_p + b * S * W * esize;
+      for (int64_t s = 0; s < S; ++s) rows[s] = kvb + s * W * esize;  // a latent row is its key and its value
       const float* bb = bias_p + b * T * S;
       float* ob = o_lat.data() + b * M * C;
-      if (md == WType::BF16) attend_seq<WType::BF16>(qb, kvb, md, bb, M, H, S, W, C, sc, ob, p.data());
-      if (md == WType::F16) attend_seq<WType::F16>(qb, kvb, md, bb, M, H, S, W, C, sc, ob, p.data());
-      if (md == WType::F32) attend_seq<WType::F32>(qb, kvb, md, bb, M, H, S, W, C, sc, ob, p.data());
+      if (md == WType::BF16) attend_rows<WType::BF16>(qb, W, rows.data(), rows.data(), C, md, bb, M, H, S, sc, ob, p.data());
+      if (md == WType::F16) attend_rows<WType::F16>(qb, W, rows.data(), rows.data(), C, md, bb, M, H, S, sc, ob, p.data());
+      if (md == WType::F32) attend_rows<WType::F32>(qb, W, rows.data(), rows.data(), C, md, bb, M, H, S, sc, ob, p.data());
     }
   });
 
