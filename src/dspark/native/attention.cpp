@@ -1,4 +1,4 @@
-// paged_attention: a few query rows per sequence attend over keys and values read in place from a paged pool plane,
+// paged_attention: the query rows of each sequence attend over keys and values read in place from a paged pool plane,
 // compiled for the running machine with kernels.cpp (same library, same torch.ops namespace).
 //
 //   q      [B, H, T, d]   queries (bf16, fp16 or fp32), H = n_kv · g (query head h reads KV head h / g)
@@ -8,12 +8,13 @@
 //   bias   [B, T, S] fp32 additive mask, 0 (visible) or -inf (hidden)
 //   → out  [B, H, T, dv]  in q's dtype
 //
-// It replaces "gather every visible row into [B, S, W], then scaled-dot-product attention" in decode and
-// verification: the rows are read once, where they lie, with no gathered copy and no strided-head SDPA (at batch 48
-// over 1k-token contexts those two were ~60 % of a SmolLM2 decode step). Per sequence every key row is read once for
-// all query rows (query head h reads KV head h / g), then every value row once: scores and the softmax in fp32, the weighted sum of values accumulated in fp32 and
-// rounded once to q's dtype. Sums run in another order than torch's kernels, so the reduced-precision paths use it;
-// fp32, the bit-exact reference, keeps torch's.
+// It replaces "gather every visible row into [B, S, W], then scaled-dot-product attention" for every row count (a
+// decode step, a verification, a prefill chunk) and dtype: the rows are read once per query tile, where they lie,
+// with no gathered copy and no strided-head SDPA (at batch 48 over 1k-token contexts those two were ~60 % of a
+// SmolLM2 decode step). Per sequence and KV head, its query rows (query head h reads KV head h / g) go through
+// attend_rows.h: scores, softmax and the weighted sum of values in fp32, each query row alone and each sum in key
+// order, rounded once to q's dtype. A row's result therefore depends on nothing but its own query and the keys it
+// sees: not the batch, the chunk its prompt was prefilled in, or where a cached prefix ended.
 //
 // Threads: at::parallel_for over sequences.
 
@@ -36,95 +37,6 @@
 #include "vmath.h"
 
 namespace {
-
-inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-
-inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  for (; i + 16 <= n; i += 16) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i));
-    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-  }
-#elif defined(__AVX2__)
-  for (; i + 8 <= n; i += 8) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
-    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
-  }
-#endif
-  for (; i < n; ++i) {
-    uint32_t bits = static_cast<uint32_t>(s[i]) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof(f));
-    dst[i] = f;
-  }
-}
-
-inline void to_float(const c10::Half* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-// Σ a[i]·b[i] over 16 lanes (one 512-bit or two 256-bit vectors), then a fixed tree across the lanes: one order
-// whatever the number of query rows in the call (a `simd reduction` compiled to a chain of 16 scalar adds per score,
-// most of a decode step's attention).
-inline float dot(const float* a, const float* b, int64_t n) {
-  int64_t i = 0;
-  float acc = 0.f;
-#if defined(__AVX512F__)
-  __m512 v = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) v = _mm512_add_ps(v, _mm512_mul_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i)));
-  acc = _mm512_reduce_add_ps(v);
-#elif defined(__AVX2__)
-  __m256 v0 = _mm256_setzero_ps(), v1 = _mm256_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    v0 = _mm256_add_ps(v0, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
-    v1 = _mm256_add_ps(v1, _mm256_mul_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8)));
-  }
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(_mm256_add_ps(v0, v1)), _mm256_extractf128_ps(_mm256_add_ps(v0, v1), 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  acc = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-#endif
-  for (; i < n; ++i) acc += a[i] * b[i];
-  return acc;
-}
-
-// the scores of n ≤ 4 query rows (each d long, back to back from q) against one key: per row the products summed in
-// 16 lanes as dot() sums them, then the four rows' lanes reduced together by one fixed tree (each row's sum is
-// ((l_i + l_i+8) + (l_i+4 + l_i+12)) over i, then (i, i+2), then (i, i+1), whichever slot it has): a quarter of the
-// horizontal work of four dot() calls, and a row's score never depends on the rows beside it
-#if defined(__AVX512F__)
-constexpr bool kDot4 = true;
-inline void dot4(const float* q, int64_t n, const float* k, int64_t d, float* out) {
-  __m512 v[4];
-  for (int i = 0; i < 4; ++i) {
-    v[i] = _mm512_setzero_ps();
-    if (i < n)
-      for (int64_t e = 0; e < d; e += 16)
-        v[i] = _mm512_add_ps(v[i], _mm512_mul_ps(_mm512_loadu_ps(q + i * d + e), _mm512_loadu_ps(k + e)));
-  }
-  const __m512 t0 = _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x44), _mm512_shuffle_f32x4(v[0], v[1], 0xEE));
-  const __m512 t1 = _mm512_add_ps(_mm512_shuffle_f32x4(v[2], v[3], 0x44), _mm512_shuffle_f32x4(v[2], v[3], 0xEE));
-  __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(t0, t1, 0x88), _mm512_shuffle_f32x4(t0, t1, 0xDD));
-  u = _mm512_add_ps(u, _mm512_permute_ps(u, 0x4E));  // (i, i+2)
-  u = _mm512_add_ps(u, _mm512_permute_ps(u, 0xB1));  // (i, i+1)
-  out[0] = _mm_cvtss_f32(_mm512_castps512_ps128(u));  // lane 0 of each 128-bit block (no store and reload)
-  if (n > 1) out[1] = _mm_cvtss_f32(_mm512_extractf32x4_ps(u, 1));
-  if (n > 2) out[2] = _mm_cvtss_f32(_mm512_extractf32x4_ps(u, 2));
-  if (n > 3) out[3] = _mm_cvtss_f32(_mm512_extractf32x4_ps(u, 3));
-}
-#else
-constexpr bool kDot4 = false;
-inline void dot4(const float*, int64_t, const float*, int64_t, float*) {}
-#endif
-
-// a key (or value) row as fp32: in place when the pool is fp32, else converted into buf
-inline const float* key_row(const float* src, float*, int64_t) { return src; }
-template <typename T>
-inline const float* key_row(const T* src, float* buf, int64_t n) {
-  to_float(src, buf, n);
-  return buf;
-}
 
 template <typename T>
 constexpr WType wtype_of_t() {

@@ -1,5 +1,5 @@
-// gqa_layer: one Llama/Qwen2 decoder layer over GGUF block weights for a few rows per sequence (a decode step, a
-// verification, a short prefill chunk), in one call instead of ~45 eager ops. Compiled with kernels.cpp into one
+// gqa_layer: one Llama/Qwen2 decoder layer over GGUF block weights for the rows of each sequence (a decode step, a
+// verification, a prefill chunk), in one call instead of ~45 eager ops. Compiled with kernels.cpp into one
 // library, one torch.ops namespace.
 //
 //   h       [B, T, D] fp32      the residual stream entering the layer
