@@ -21,12 +21,18 @@ from dspark.cli_common import (
     kv_offload_kwargs,
 )
 from dspark.config import ConfigError, EngineConfig
-from dspark.serve.config import ROLES, ServerConfig
+from dspark.serve.config import DEFAULT_HOST, DEFAULT_PORT, ROLES, ServerConfig
 
 if TYPE_CHECKING:
     from dspark.engine.engine import Engine
 
 API_KEY_ENV = "DSPARK_API_KEY"
+
+
+def add_bind_args(p: argparse.ArgumentParser) -> None:
+    """--host and --port of a listening command (serve, serve-proxy)."""
+    p.add_argument("--host", default=DEFAULT_HOST, help=f"bind address (default {DEFAULT_HOST}: local only)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}")
 
 
 def resolve_api_key(flag: str | None, environ: Mapping[str, str]) -> str | None:
@@ -134,8 +140,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_model_arg(p, help="the same as MODEL (kept for scripts)")
     add_speculative_config_arg(p)
     p.add_argument("--no-spec", action="store_true", help="serve without speculative decoding")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
-    p.add_argument("--port", type=int, default=8000)
+    add_bind_args(p)
     p.add_argument(
         "--api-key",
         default=None,
@@ -216,8 +221,7 @@ def add_proxy_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--prefill", required=True, help="the prefill instance's base URL, e.g. http://127.0.0.1:8100")
     p.add_argument("--decode", required=True, help="the decode instance's base URL, e.g. http://127.0.0.1:8200")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
-    p.add_argument("--port", type=int, default=8000)
+    add_bind_args(p)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one forwarded request may take")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve_proxy)

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from dspark.config import ConfigError
 
 ROLES = ("both", "prefill", "decode")
+# where serve and serve-proxy listen unless told otherwise, and where loadtest looks for a server
+DEFAULT_HOST = "127.0.0.1"  # local only
+DEFAULT_PORT = 8000  # vLLM's
 EMPTY_API_KEY = (
     "the API key is empty (--api-key '' or DSPARK_API_KEY=''), which would leave the server open to anyone; "
     "set a non-empty key, or give neither to serve without authentication"

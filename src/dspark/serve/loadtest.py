@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 import httpx
 
 from dspark.cli_common import add_max_tokens_arg
+from dspark.serve.config import DEFAULT_HOST, DEFAULT_PORT
 
 DEFAULT_PROMPTS = (
     "The quick brown fox",
@@ -180,7 +181,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="closed-loop load on a running server: TTFT, tokens/s and acceptance per concurrency level",
         description=__doc__,
     )
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    p.add_argument("--url", default=f"http://{DEFAULT_HOST}:{DEFAULT_PORT}", help="the server's base URL")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16], help="levels, one JSON line each")
     p.add_argument("--num-requests", type=int, default=32)
     add_max_tokens_arg(p, 64)
