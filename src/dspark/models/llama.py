@@ -157,7 +157,7 @@ class GQAttention(nn.Module, Packable):
         alone, so a row's result does not depend on its chunk, a cached prefix or the batch; None where the cache or
         the kernels cannot (the caller's path, torch's attention, then writes the same rows again)."""
         attend = getattr(cache, "paged_attention", None)
-        if attend is None or native.ops() is None:
+        if attend is None or native.inference_ops() is None:  # grad mode: torch's (the kernel has no backward)
             return None
         with scope("cache"):
             cache.write(self.layer_idx, rows)
