@@ -1,9 +1,13 @@
 // attend_rows.h: attention of query rows over key rows, each query row alone, shared by mla_attend (one 576-wide
 // latent head: keys and values are the same rows) and paged_attention (GQA: a KV head's keys and values read in
-// place from the pool). A row's scores are one fixed-order sum each (a lane accumulator over the width, then a fixed
-// lane reduction), its softmax sums the keys in their order and its weighted sum runs over the keys in their order,
-// skipping hidden ones: whatever the tile, the number of rows, the chunk a prompt was prefilled in or where a cached
-// prefix ended, a row's result is the same bits.
+// place from the pool). A row's scores are one fixed-order sum each, its softmax sums the keys in fixed lanes and its
+// weighted sum runs over the keys in their order, skipping hidden ones: whatever the tile, the number of rows, the
+// chunk a prompt was prefilled in or where a cached prefix ended, a row's result is the same bits.
+//
+// Scores: wide rows (MLA's 576-wide latent) go in 4 query × 4 key tiles of lane accumulators, each score a lane
+// chain over the width and a fixed lane reduction; narrow ones (GQA heads, at most kTransposeWidth wide) in
+// transposed key tiles, where those reductions would cost more than the products. The choice depends on the width
+// alone, never on the number of rows.
 #pragma once
 
 #include <algorithm>
@@ -64,6 +68,152 @@ inline void dots4x4(const uint8_t* const* keys, int64_t K, const float* q, int64
 #endif
 }
 
+// Transposed scores go a tile of kScoreLanes key rows at a time: the tile is transposed once (kt[w · L + k] = key
+// k's element w, zeros past the last key), then a query row's L scores are one vector chain of FMAs over w in order
+// (lane k: Σ_w q[w]·key_k[w], left to right), with no reduction across lanes. Every query row's sums are the same
+// whatever rows share the tile, and a tile's transposition is paid once for all the query rows (the heads of a GQA
+// group and a verification's rows).
+#if defined(DSPARK_DENSE512)
+constexpr int kScoreLanes = 16;
+
+// r[k] (key k, 16 elements) -> r[w] (element w of the 16 keys)
+inline void transpose16(__m512* r) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int j = 0; j < 4; ++j) {  // u[4j + e], 128-bit chunk c: element 4c + e of keys 4j .. 4j+3
+    u[4 * j] = _mm512_shuffle_ps(t[4 * j], t[4 * j + 2], 0x44);
+    u[4 * j + 1] = _mm512_shuffle_ps(t[4 * j], t[4 * j + 2], 0xEE);
+    u[4 * j + 2] = _mm512_shuffle_ps(t[4 * j + 1], t[4 * j + 3], 0x44);
+    u[4 * j + 3] = _mm512_shuffle_ps(t[4 * j + 1], t[4 * j + 3], 0xEE);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512 v0 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x88), v1 = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xDD);
+    const __m512 v2 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x88);
+    const __m512 v3 = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xDD);
+    r[e] = _mm512_shuffle_f32x4(v0, v2, 0x88);
+    r[4 + e] = _mm512_shuffle_f32x4(v1, v3, 0x88);
+    r[8 + e] = _mm512_shuffle_f32x4(v0, v2, 0xDD);
+    r[12 + e] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
+  }
+}
+
+template <WType T>
+inline void transpose_keys(const uint8_t* const* keys, int64_t n, int64_t K, float* kt) {
+  for (int64_t w = 0; w < K; w += 16) {
+    const __mmask16 m = K - w >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (K - w)) - 1);
+    __m512 r[16];
+    for (int k = 0; k < 16; ++k) r[k] = k < n ? load16<T>(keys[k], w, m) : _mm512_setzero_ps();
+    transpose16(r);
+    for (int64_t e = 0; e < std::min<int64_t>(16, K - w); ++e) _mm512_storeu_ps(kt + (w + e) * 16, r[e]);
+  }
+}
+
+// sc[j · L + k] = Σ_w q_j[w]·kt[w · L + k] for N query rows, each a chain over w in order;
+// qt[w · kScoreRows + j] = q_j[w] (the rows' elements side by side: one base address for every broadcast)
+template <int N>
+inline void score_rows(const float* kt, int64_t K, const float* qt, float* sc) {
+  __m512 acc[N];
+  for (int j = 0; j < N; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t w = 0; w < K; ++w) {
+    const __m512 k = _mm512_loadu_ps(kt + w * 16);
+    for (int j = 0; j < N; ++j) acc[j] = _mm512_fmadd_ps(k, _mm512_set1_ps(qt[w * 8 + j]), acc[j]);
+  }
+  for (int j = 0; j < N; ++j) _mm512_storeu_ps(sc + j * 16, acc[j]);
+}
+#elif defined(DSPARK_AVX2)
+constexpr int kScoreLanes = 8;
+
+template <WType T>
+inline __m256 load8(const void* row, int64_t at) {
+  if constexpr (T == WType::F32) {
+    return _mm256_loadu_ps(static_cast<const float*>(row) + at);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row) + at));
+    if constexpr (T == WType::BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+  }
+}
+
+// r[k] (key k, 8 elements) -> r[w] (element w of the 8 keys)
+inline void transpose8(__m256* r) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int j = 0; j < 2; ++j) {  // u[4j + e], 128-bit half h: element 4h + e of keys 4j .. 4j+3
+    u[4 * j] = _mm256_shuffle_ps(t[4 * j], t[4 * j + 2], 0x44);
+    u[4 * j + 1] = _mm256_shuffle_ps(t[4 * j], t[4 * j + 2], 0xEE);
+    u[4 * j + 2] = _mm256_shuffle_ps(t[4 * j + 1], t[4 * j + 3], 0x44);
+    u[4 * j + 3] = _mm256_shuffle_ps(t[4 * j + 1], t[4 * j + 3], 0xEE);
+  }
+  for (int e = 0; e < 4; ++e) {
+    r[e] = _mm256_permute2f128_ps(u[e], u[4 + e], 0x20);
+    r[4 + e] = _mm256_permute2f128_ps(u[e], u[4 + e], 0x31);
+  }
+}
+
+template <WType T>
+inline void transpose_keys(const uint8_t* const* keys, int64_t n, int64_t K, float* kt) {
+  int64_t w = 0;
+  for (; w + 8 <= K; w += 8) {
+    __m256 r[8];
+    for (int k = 0; k < 8; ++k) r[k] = k < n ? load8<T>(keys[k], w) : _mm256_setzero_ps();
+    transpose8(r);
+    for (int e = 0; e < 8; ++e) _mm256_storeu_ps(kt + (w + e) * 8, r[e]);
+  }
+  for (; w < K; ++w)
+    for (int k = 0; k < 8; ++k) kt[w * 8 + k] = k < n ? widen<T>(keys[k], w) : 0.f;
+}
+
+template <int N>
+inline void score_rows(const float* kt, int64_t K, const float* qt, float* sc) {
+  __m256 acc[N];
+  for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t w = 0; w < K; ++w) {
+    const __m256 k = _mm256_loadu_ps(kt + w * 8);
+    for (int j = 0; j < N; ++j) acc[j] = _mm256_fmadd_ps(k, _mm256_set1_ps(qt[w * 8 + j]), acc[j]);
+  }
+  for (int j = 0; j < N; ++j) _mm256_storeu_ps(sc + j * 8, acc[j]);
+}
+#else
+constexpr int kScoreLanes = 8;
+
+template <WType T>
+inline void transpose_keys(const uint8_t* const* keys, int64_t n, int64_t K, float* kt) {
+  for (int64_t w = 0; w < K; ++w)
+    for (int k = 0; k < 8; ++k) kt[w * 8 + k] = k < n ? widen<T>(keys[k], w) : 0.f;
+}
+
+template <int N>
+inline void score_rows(const float* kt, int64_t K, const float* qt, float* sc) {
+  for (int j = 0; j < N; ++j)
+    for (int k = 0; k < 8; ++k) {
+      float s = 0.f;
+      for (int64_t w = 0; w < K; ++w) s = std::fma(qt[w * 8 + j], kt[w * 8 + k], s);
+      sc[j * 8 + k] = s;
+    }
+}
+#endif
+
+constexpr int kScoreRows = 8;  // query rows per pass over a transposed tile (their chains in registers)
+
+inline void score_tile(int n, const float* kt, int64_t K, const float* qt, float* sc) {
+  switch (n) {
+    case 1: return score_rows<1>(kt, K, qt, sc);
+    case 2: return score_rows<2>(kt, K, qt, sc);
+    case 3: return score_rows<3>(kt, K, qt, sc);
+    case 4: return score_rows<4>(kt, K, qt, sc);
+    case 5: return score_rows<5>(kt, K, qt, sc);
+    case 6: return score_rows<6>(kt, K, qt, sc);
+    case 7: return score_rows<7>(kt, K, qt, sc);
+    default: return score_rows<8>(kt, K, qt, sc);
+  }
+}
+
 // o_j[c] = Σ_s p_j[s]·value_s[c] for c < C and N query rows j (probabilities p_j, row stride S; outputs o_j, stride
 // C): each output its own sum over the value rows in their order, a row's hidden keys (p 0) skipped, so a row's
 // result is the same in any tile. A value row is read once for the N rows.
@@ -87,10 +237,10 @@ void weighted_values(const float* p, int64_t S, const uint8_t* const* values, in
       if (!any) continue;
       __m512 v[4];
       for (int j = 0; j < 4; ++j) v[j] = load16<T>(values[s], c + 16 * j, m[j]);
-      for (int r = 0; r < N; ++r) {
-        if (p[r * S + s] == 0.f) continue;
+      for (int r = 0; r < N; ++r) {  // a row whose weight is 0 keeps its sums: masked, without a branch
         const __m512 w = _mm512_set1_ps(p[r * S + s]);
-        for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(w, v[j], acc[r][j]);
+        const __mmask16 on = _mm512_cmp_ps_mask(w, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+        for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_mask3_fmadd_ps(w, v[j], acc[r][j], on);
       }
     }
     for (int r = 0; r < N; ++r)
@@ -109,10 +259,35 @@ void weighted_values(const float* p, int64_t S, const uint8_t* const* values, in
 #endif
 }
 
-constexpr int64_t kKeyBlock = 256;  // key rows scored against every query tile before the next block
+// Σ p[s] over s < S: key s in lane s % L of a lane accumulator (the tail zero-padded), then a fixed lane reduction.
+// A key keeps its lane whatever S is and hidden keys add +0, so the sum does not depend on how many keys follow.
+inline float lane_sum(const float* p, int64_t S) {
+#if defined(DSPARK_DENSE512)
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t s = 0; s < S; s += 16) {
+    const __mmask16 k = S - s >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (S - s)) - 1);
+    acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(k, p + s));
+  }
+  return _mm512_reduce_add_ps(acc);
+#elif defined(DSPARK_AVX2)
+  __m256 acc = _mm256_setzero_ps();
+  int64_t s = 0;
+  for (; s + 8 <= S; s += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(p + s));
+  if (s < S) {
+    alignas(32) float t[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    std::copy(p + s, p + S, t);
+    acc = _mm256_add_ps(acc, _mm256_load_ps(t));
+  }
+  return hsum256(acc);
+#else
+  float lanes[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int64_t s = 0; s < S; ++s) lanes[s % 8] += p[s];
+  return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+#endif
+}
 
 // one query row's raw scores p [S] → its attention weights as torch's softmax computes them in the model dtype:
-// x = round(score)·scale + bias, exp(x − max) (hidden keys 0), times 1 / Σ (summed in key order), rounded to md.
+// x = round(score)·scale + bias, exp(x − max) (hidden keys 0), times 1 / Σ (lane_sum), rounded to md.
 // Each element alone but the max and the sum, whose orders do not depend on anything but S.
 inline void softmax_row(float* p, const float* bias, int64_t S, float scale, WType md) {
   float mx = -std::numeric_limits<float>::infinity();
@@ -133,8 +308,7 @@ inline void softmax_row(float* p, const float* bias, int64_t S, float scale, WTy
     mx = std::max(mx, p[s]);
   }
   exp_shifted(p, S, mx);
-  float sum = 0.f;
-  for (s = 0; s < S; ++s) sum += p[s];
+  const float sum = lane_sum(p, S);
   const float inv = sum > 0.f ? 1.f / sum : 0.f;  // a row that sees no key at all (padding) weighs nothing
   s = 0;
 #if defined(DSPARK_DENSE512)
@@ -144,14 +318,49 @@ inline void softmax_row(float* p, const float* bias, int64_t S, float scale, WTy
   for (; s < S; ++s) p[s] = round_as(p[s] * inv, md);
 }
 
-// scores, softmax and weighted values of one sequence's query rows: q [M, K] fp32 (row i at position i / G), key
-// rows keys[s] (K wide), value rows values[s] (C wide), bias [positions, S] → o [M, C] rounded to md; p: [M, S]
-// scratch. Every key row is read once per query tile; each query row's sums run over the keys in their order,
-// whatever M. A key hidden from a row (bias −inf: a later position of a prefill chunk, padding) is not scored for
-// it: its weight is 0 either way.
+constexpr int64_t kTransposeWidth = 128;  // widest key rows scored in transposed tiles
+constexpr int64_t kKeyBlock = 256;        // key rows scored against every query tile before the next block
+
+// scores of every query row against every key (p [M, S]; a key hidden from a row: 0), in transposed key tiles
 template <WType T>
-void attend_rows(const float* q, int64_t K, const uint8_t* const* keys, const uint8_t* const* values, int64_t C,
-                 WType md, const float* bias, int64_t M, int64_t G, int64_t S, float scale, float* o, float* p) {
+void score_transposed(const float* q, int64_t K, const uint8_t* const* keys, const float* bias, int64_t M,
+                      int64_t G, int64_t S, float* p) {
+  constexpr int L = kScoreLanes;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  thread_local std::vector<float> kt, qt;
+  kt.resize(K * L);
+  const int64_t groups = (M + kScoreRows - 1) / kScoreRows;
+  qt.assign(groups * K * kScoreRows, 0.f);  // group g's rows side by side: qt[(g · K + w) · kScoreRows + j]
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t w = 0; w < K; ++w) qt[((i / kScoreRows) * K + w) * kScoreRows + i % kScoreRows] = q[i * K + w];
+  float sc[kScoreRows * L];
+  for (int64_t s0 = 0; s0 < S; s0 += L) {
+    const int64_t n = std::min<int64_t>(L, S - s0);
+    bool transposed = false;
+    for (int64_t i0 = 0; i0 < M; i0 += kScoreRows) {
+      const int64_t mt = std::min<int64_t>(kScoreRows, M - i0);
+      bool any = false;  // a key of the tile some row of the group sees
+      for (int64_t i = i0; i < i0 + mt && !any; ++i)
+        for (int64_t k = 0; k < n && !any; ++k) any = bias[(i / G) * S + s0 + k] != ninf;
+      if (any && !transposed) {
+        transpose_keys<T>(keys + s0, n, K, kt.data());
+        transposed = true;
+      }
+      if (any) score_tile(static_cast<int>(mt), kt.data(), K, qt.data() + (i0 / kScoreRows) * K * kScoreRows, sc);
+      for (int64_t j = 0; j < mt; ++j) {
+        const float* brow = bias + ((i0 + j) / G) * S + s0;
+        float* prow = p + (i0 + j) * S + s0;
+        for (int64_t k = 0; k < n; ++k) prow[k] = brow[k] == ninf ? 0.f : sc[j * L + k];  // + the bias: −inf
+      }
+    }
+  }
+}
+
+// the same scores in 4 × 4 tiles of lane accumulators, a block of kKeyBlock key rows kept in cache for every query
+// tile
+template <WType T>
+void score_lanes(const float* q, int64_t K, const uint8_t* const* keys, const float* bias, int64_t M, int64_t G,
+                 int64_t S, float* p) {
   const float ninf = -std::numeric_limits<float>::infinity();
   auto hidden = [&](int64_t i, int64_t s) { return bias[(i / G) * S + s] == ninf; };
   auto score_one = [&](int64_t i, int64_t s) {
@@ -177,6 +386,19 @@ void attend_rows(const float* q, int64_t K, const uint8_t* const* keys, const ui
   }
   for (int64_t i = 0; i < M; ++i)  // the rest: key rows past the last full 4, query rows past the last full 4
     for (int64_t s = i < M4 ? S4 : 0; s < S; ++s) score_one(i, s);
+}
+
+// scores, softmax and weighted values of one sequence's query rows: q [M, K] fp32 (row i at position i / G), key
+// rows keys[s] (K wide), value rows values[s] (C wide), bias [positions, S] → o [M, C] rounded to md; p: [M, S]
+// scratch. Each query row's sums run in the orders above, whatever M. A key hidden from a row (bias −inf: a later
+// position of a prefill chunk, padding) is not used for it: its weight is 0 either way.
+template <WType T>
+void attend_rows(const float* q, int64_t K, const uint8_t* const* keys, const uint8_t* const* values, int64_t C,
+                 WType md, const float* bias, int64_t M, int64_t G, int64_t S, float scale, float* o, float* p) {
+  if (K <= kTransposeWidth)
+    score_transposed<T>(q, K, keys, bias, M, G, S, p);
+  else
+    score_lanes<T>(q, K, keys, bias, M, G, S, p);
   for (int64_t i = 0; i < M; ++i) softmax_row(p + i * S, bias + (i / G) * S, S, scale, md);
   int64_t i = 0;
   for (; i + 4 <= M; i += 4) weighted_values<T, 4>(p + i * S, S, values, C, o + i * C);
