@@ -7,6 +7,7 @@ slot k > 0 uses the token at slot k-1 (ground truth in training, the drawn token
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ class MarkovHead(nn.Module):
         self.rank = rank
         self.markov_w1 = nn.Embedding(vocab_size, rank)
         self.markov_w2 = Linear(rank, vocab_size, bias=False)
+        self._w2t: dict[int, tuple] = {}  # id(W2) -> (a weak reference to it, its pointer and version, W2ᵀ)
         if head_type == "gated":
             self.gate_proj = Linear(hidden_size + rank, rank)
         elif head_type == "rnn":
@@ -97,7 +99,16 @@ class MarkovHead(nn.Module):
         if base_logits.device.type != "cpu" or w1.dtype != weight.dtype:
             return None
         base = base_logits.float().contiguous()
-        return ops.markov_greedy(base, w1.contiguous(), weight.contiguous(), anchor.long().contiguous(), ids)
+        return ops.markov_greedy(base, w1.contiguous(), self._transposed(weight), anchor.long().contiguous(), ids)
+
+    def _transposed(self, weight: torch.Tensor) -> torch.Tensor:
+        """W2ᵀ [r, N] contiguous, made once per weight (and again only if the weight changes in place)."""
+        key = (weight.data_ptr(), weight._version)
+        cached = self._w2t.get(id(weight))
+        if cached is None or cached[0]() is not weight or cached[1] != key:
+            cached = (weakref.ref(weight), key, weight.detach().t().contiguous())
+            self._w2t[id(weight)] = cached
+        return cached[2]
 
     def sample(
         self,

@@ -16,7 +16,7 @@
 //
 // The module's order of operations and its roundings: where the module holds a bf16/fp16 tensor (conv output, SiLU,
 // the f_b and g_b products, o before the norm, the result) the value is rounded to that dtype (round_as), so the
-// two paths agree up to the order of the sums. Rows are independent (one sequence each).
+// two paths agree up to the order of the sums and the exp (vmath.h's vector exp, within ~2 ulp of expf). Rows are independent (one sequence each).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -31,12 +31,75 @@
 #include <vector>
 
 #include "dense.h"
+#include "vmath.h"
 
 namespace {
 
 at::Tensor f32(const at::Tensor& t) { return t.to(at::kFloat).contiguous(); }
 
 inline float softplus_f(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }  // torch's threshold 20
+
+// S ← S·diag(a) by rows (S [Dk key channels, Dk values]); pred[j] = Σ_c kc[c]·S[c, j] over c in order. Columns go
+// 64 at a time with their sums in registers (AVX-512), the same arithmetic as the plain loops below.
+inline void decay_predict(float* S, const float* a, const float* kc, int64_t Dk, float* pred) {
+  int64_t j0 = 0;
+#if defined(DSPARK_DENSE512)
+  for (; j0 + 64 <= Dk; j0 += 64) {
+    __m512 acc[4];
+    for (int u = 0; u < 4; ++u) acc[u] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < Dk; ++c) {
+      float* srow = S + c * Dk + j0;
+      const __m512 av = _mm512_set1_ps(a[c]), kv = _mm512_set1_ps(kc[c]);
+      for (int u = 0; u < 4; ++u) {
+        const __m512 sv = _mm512_mul_ps(_mm512_loadu_ps(srow + 16 * u), av);
+        _mm512_storeu_ps(srow + 16 * u, sv);
+        acc[u] = _mm512_add_ps(acc[u], _mm512_mul_ps(kv, sv));
+      }
+    }
+    for (int u = 0; u < 4; ++u) _mm512_storeu_ps(pred + j0 + 16 * u, acc[u]);
+  }
+#endif
+  std::fill(pred + j0, pred + Dk, 0.0f);
+  for (int64_t c = 0; c < Dk; ++c) {
+    float* srow = S + c * Dk;
+    for (int64_t j = j0; j < Dk; ++j) {
+      srow[j] = srow[j] * a[c];
+      pred[j] += kc[c] * srow[j];
+    }
+  }
+}
+
+// S[c, j] ← S[c, j] + kc[c]·delta[j]; o[j] = Σ_c qc[c]·S[c, j] over c in order (as decay_predict)
+inline void update_read(float* S, const float* kc, const float* qc, const float* delta, int64_t Dk, float* o) {
+  int64_t j0 = 0;
+#if defined(DSPARK_DENSE512)
+  for (; j0 + 64 <= Dk; j0 += 64) {
+    __m512 acc[4], dv[4];
+    for (int u = 0; u < 4; ++u) {
+      acc[u] = _mm512_setzero_ps();
+      dv[u] = _mm512_loadu_ps(delta + j0 + 16 * u);
+    }
+    for (int64_t c = 0; c < Dk; ++c) {
+      float* srow = S + c * Dk + j0;
+      const __m512 kv = _mm512_set1_ps(kc[c]), qv = _mm512_set1_ps(qc[c]);
+      for (int u = 0; u < 4; ++u) {
+        const __m512 sv = _mm512_add_ps(_mm512_loadu_ps(srow + 16 * u), _mm512_mul_ps(kv, dv[u]));
+        _mm512_storeu_ps(srow + 16 * u, sv);
+        acc[u] = _mm512_add_ps(acc[u], _mm512_mul_ps(qv, sv));
+      }
+    }
+    for (int u = 0; u < 4; ++u) _mm512_storeu_ps(o + j0 + 16 * u, acc[u]);
+  }
+#endif
+  std::fill(o + j0, o + Dk, 0.0f);
+  for (int64_t c = 0; c < Dk; ++c) {
+    float* srow = S + c * Dk;
+    for (int64_t j = j0; j < Dk; ++j) {
+      srow[j] = srow[j] + kc[c] * delta[j];
+      o[j] += qc[c] * srow[j];
+    }
+  }
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> kda_rows(
     const at::Tensor& z_in, const at::Tensor& fa_in, const at::Tensor& ga_in, const at::Tensor& bl_in,
@@ -88,8 +151,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kda_rows(
   const bool bounded = lower_bound.has_value();
   const float lb = bounded ? static_cast<float>(*lower_bound) : 0.0f;
 
+  std::vector<float> cwt(K * CW);  // the conv weights tap-major, so a row's channels run in vector lanes
+  for (int64_t c = 0; c < CW; ++c)
+    for (int64_t j = 0; j < K; ++j) cwt[j * CW + c] = cwp[c * K + j];
+
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> mixed(CW), pred(Dk), delta(Dk), o(Dk), gh(Dk);
+    std::vector<float> mixed(CW), ex(CW), pred(Dk), delta(Dk), o(Dk), gh(Dk), decay(Dk), og(Dk), kq(2 * Dk);
     for (int64_t b = b0; b < b1; ++b) {
       float* S = sp + b * numel;
       float* tail = S + rec;  // [K−1, CW]: the pre-conv rows of the last K−1 tokens
@@ -97,15 +164,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kda_rows(
         const int64_t row = b * T + t;
         const bool valid = t < lp[b];
         const float* zr = zp + row * CW;
-        // short conv over [tail | z_t] (the window's last K rows), then SiLU
-        for (int64_t c = 0; c < CW; ++c) {
-          float acc = 0.0f;
-          for (int64_t j = 0; j < K; ++j) {
-            const float w = j < K1 ? tail[j * CW + c] : zr[c];
-            acc += w * cwp[c * K + j];
-          }
-          mixed[c] = round_as(silu_f(round_as(acc, dt)), dt);
+        // short conv over [tail | z_t] (the window's last K rows, each channel's taps in order), then SiLU
+        std::fill(mixed.begin(), mixed.end(), 0.0f);
+        for (int64_t j = 0; j < K; ++j) {
+          const float* w = j < K1 ? tail + j * CW : zr;
+          const float* cj = cwt.data() + j * CW;
+          for (int64_t c = 0; c < CW; ++c) mixed[c] += w[c] * cj[c];
         }
+        round_all(mixed.data(), CW, dt);
+        exp_array(mixed.data(), ex.data(), CW, -1.0f);
+        for (int64_t c = 0; c < CW; ++c) mixed[c] = mixed[c] / (1.0f + ex[c]);
+        round_all(mixed.data(), CW, dt);
         if (valid && K1 > 0) {  // the new tail: the window's rows 1 .. K−1
           for (int64_t j = 0; j + 1 < K1; ++j) std::memcpy(tail + j * CW, tail + (j + 1) * CW, sizeof(float) * CW);
           std::memcpy(tail + (K1 - 1) * CW, zr, sizeof(float) * CW);
@@ -118,11 +187,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kda_rows(
           float* dst = op + row * W + h * Dk;
           const float rate = std::exp(alp[h]);
           const float beta = valid ? sigmoid_f(blp[row * H + h]) : 0.0f;
-          for (int64_t c = 0; c < Dk; ++c) {
-            const float raw = fbp[row * W + h * Dk + c] + dtp[h * Dk + c];
-            const float gv = bounded ? lb * sigmoid_f(rate * raw) : -rate * softplus_f(raw);
-            gh[c] = valid ? gv : 0.0f;
+          for (int64_t c = 0; c < Dk; ++c) gh[c] = fbp[row * W + h * Dk + c] + dtp[h * Dk + c];  // raw
+          if (bounded) {  // lb·σ(rate·raw)
+            for (int64_t c = 0; c < Dk; ++c) gh[c] = rate * gh[c];
+            exp_array(gh.data(), decay.data(), Dk, -1.0f);
+            for (int64_t c = 0; c < Dk; ++c) gh[c] = valid ? lb * (1.0f / (1.0f + decay[c])) : 0.0f;
+          } else {
+            for (int64_t c = 0; c < Dk; ++c) gh[c] = valid ? -rate * softplus_f(gh[c]) : 0.0f;
           }
+          exp_array(gh.data(), decay.data(), Dk);  // the decay of each key channel
+          exp_array(gbp + row * W + h * Dk, og.data(), Dk, -1.0f);  // the output gate: σ = 1 / (1 + e^−g)
           // L2 norms (eps inside the root), q scaled by Dk^-1/2
           float qq = 0.0f, kk = 0.0f;
           for (int64_t c = 0; c < Dk; ++c) {
@@ -130,25 +204,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kda_rows(
             kk += k[h * Dk + c] * k[h * Dk + c];
           }
           const float qn = 1.0f / std::sqrt(qq + 1e-6f), kn = 1.0f / std::sqrt(kk + 1e-6f);
-          std::fill(pred.begin(), pred.end(), 0.0f);
-          for (int64_t c = 0; c < Dk; ++c) {  // decay, then the prediction kᵀS
-            const float a = std::exp(gh[c]), kc = k[h * Dk + c] * kn;
-            float* srow = Sh + c * Dk;
-            for (int64_t j = 0; j < Dk; ++j) {
-              srow[j] = srow[j] * a;
-              pred[j] += kc * srow[j];
-            }
+          for (int64_t c = 0; c < Dk; ++c) {
+            kq[c] = k[h * Dk + c] * kn;
+            kq[Dk + c] = q[h * Dk + c] * qn * qscale;
           }
+          // decay, then the prediction kᵀS; the rank-one update with δ = β(v − kᵀS), then the read-out qᵀS. Each
+          // output column j sums over the key channels c in order (products and sums rounded apart)
+          decay_predict(Sh, decay.data(), kq.data(), Dk, pred.data());
           for (int64_t j = 0; j < Dk; ++j) delta[j] = beta * (v[h * Dk + j] - pred[j]);
-          std::fill(o.begin(), o.end(), 0.0f);
-          for (int64_t c = 0; c < Dk; ++c) {  // the rank-one update, then the read-out qᵀS
-            const float kc = k[h * Dk + c] * kn, qc = q[h * Dk + c] * qn * qscale;
-            float* srow = Sh + c * Dk;
-            for (int64_t j = 0; j < Dk; ++j) {
-              srow[j] = srow[j] + kc * delta[j];
-              o[j] += qc * srow[j];
-            }
-          }
+          update_read(Sh, kq.data(), kq.data() + Dk, delta.data(), Dk, o.data());
           // gated RMSNorm over the head's channels, in fp32 from o as the model dtype holds it
           float ss = 0.0f;
           for (int64_t j = 0; j < Dk; ++j) {
@@ -157,7 +221,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kda_rows(
           }
           const float inv = 1.0f / std::sqrt(ss / float(Dk) + float(eps));
           for (int64_t j = 0; j < Dk; ++j)
-            dst[j] = round_as(o[j] * inv * nwp[j] * sigmoid_f(gbp[row * W + h * Dk + j]), dt);
+            dst[j] = o[j] * inv * nwp[j] * (1.0f / (1.0f + og[j]));
+          round_all(dst, Dk, dt);
         }
         if (rp != nullptr) std::memcpy(rp + row * numel, S, sizeof(float) * numel);
       }

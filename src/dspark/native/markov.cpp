@@ -6,12 +6,13 @@
 //
 //   base   [B, K, N] fp32   the drafter's base logits of the K slots (N: the vocabulary, or the reduced one)
 //   w1     [V, r]           the head's W1 (fp32, bf16 or fp16), rows by target token id
-//   w2     [N, r]           W2 (or its rows of the reduced vocabulary), same dtypes
+//   w2t    [r, N]           W2 transposed (or its rows of the reduced vocabulary), same dtypes: the correction is
+//                           r vector FMAs over N contiguous lanes, with no reduction across lanes
 //   anchor [B] int64        the token before slot 0
 //   ids    [N] int64        optional: draft index -> target token id
 //   -> tokens [B, K] int64 (target ids)
 //
-// The products are dense.h's dense_rows: every output one fixed-order sum, so a request's drafts never depend on the
+// Every output of the correction is one fixed-order sum (over r, in order), so a request's drafts never depend on the
 // other requests of the call. Their order is not oneDNN's or MKL's, so a correction can differ from the module's in
 // the last bit and, at an exact tie, pick another draft; drafts only decide what is verified, never the output.
 
@@ -20,6 +21,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -34,15 +37,33 @@ inline float widen_any(const void* row, int64_t j, WType t) {
   return static_cast<const float*>(row)[j];
 }
 
-at::Tensor markov_greedy(const at::Tensor& base, const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& anchor,
+// c[n] = Σ_j e[j]·w2t[j, n] for n < N, j in order (one FMA chain per output)
+template <WType T>
+void correction(const float* e, const void* w2t, int64_t r, int64_t N, float* c) {
+  std::fill(c, c + N, 0.f);
+  for (int64_t j = 0; j < r; ++j) {
+    const void* row = static_cast<const uint8_t*>(w2t) + j * N * (T == WType::F32 ? 4 : 2);
+    int64_t n = 0;
+#if defined(DSPARK_DENSE512)
+    const __m512 ej = _mm512_set1_ps(e[j]);
+    for (; n + 16 <= N; n += 16)
+      _mm512_storeu_ps(c + n, _mm512_fmadd_ps(ej, load16<T>(row, n, 0xFFFF), _mm512_loadu_ps(c + n)));
+#endif
+    for (; n < N; ++n) c[n] = std::fma(e[j], widen<T>(row, n), c[n]);
+  }
+}
+
+at::Tensor markov_greedy(const at::Tensor& base, const at::Tensor& w1, const at::Tensor& w2t, const at::Tensor& anchor,
                          const std::optional<at::Tensor>& ids) {
   TORCH_CHECK(base.dim() == 3 && base.scalar_type() == at::kFloat && base.is_contiguous(),
               "markov_greedy: base logits must be a contiguous fp32 [B, K, N]");
   const int64_t B = base.size(0), K = base.size(1), N = base.size(2);
-  const DenseW W2 = dense_of(w2, "markov_greedy W2");
-  TORCH_CHECK(w1.dim() == 2 && w1.is_contiguous() && w1.size(1) == W2.K && W2.N == N,
-              "markov_greedy: W1 [V, r] and W2 [N, r] must share r, and W2 cover the logits' ", N, " entries");
-  const WType t1 = wtype_of(w1, "markov_greedy W1");
+  TORCH_CHECK(w2t.dim() == 2 && w2t.is_contiguous() && w1.dim() == 2 && w1.is_contiguous(),
+              "markov_greedy: W1 [V, r] and W2ᵀ [r, N] must be contiguous 2-D");
+  const WType t1 = wtype_of(w1, "markov_greedy W1"), t2 = wtype_of(w2t, "markov_greedy W2");
+  const int64_t V = w1.size(0), r = w1.size(1);
+  TORCH_CHECK(w2t.size(0) == r && w2t.size(1) == N,
+              "markov_greedy: W1 [V, r] and W2ᵀ [r, N] must share r, and W2 cover the logits' ", N, " entries");
   TORCH_CHECK(anchor.dim() == 1 && anchor.size(0) == B && anchor.scalar_type() == at::kLong && anchor.is_contiguous(),
               "markov_greedy: one int64 anchor per request");
   const int64_t* map = nullptr;
@@ -51,28 +72,28 @@ at::Tensor markov_greedy(const at::Tensor& base, const at::Tensor& w1, const at:
                 "markov_greedy: ids must be int64 [N]");
     map = ids->data_ptr<int64_t>();
   }
-  const int64_t V = w1.size(0), r = W2.K;
   const size_t row_bytes = static_cast<size_t>(r) * w1.element_size();
   const auto* w1p = static_cast<const uint8_t*>(w1.data_ptr());
   const float* bp = base.data_ptr<float>();
   at::Tensor tokens = at::empty({B, K}, anchor.options());
   int64_t* tp = tokens.data_ptr<int64_t>();
   std::vector<int64_t> prev(anchor.data_ptr<int64_t>(), anchor.data_ptr<int64_t>() + B);
-  std::vector<float> e(B * r), corr(B * N);
+  std::vector<float> e(r), corr(N);
   for (int64_t k = 0; k < K; ++k) {
     for (int64_t b = 0; b < B; ++b) {
       TORCH_CHECK(prev[b] >= 0 && prev[b] < V, "markov_greedy: token ", prev[b], " outside W1's ", V, " rows");
       const void* row = w1p + prev[b] * row_bytes;
-      for (int64_t j = 0; j < r; ++j) e[b * r + j] = widen_any(row, j, t1);
-    }
-    dense_rows(W2, e.data(), B, r, corr.data(), N);
-    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t j = 0; j < r; ++j) e[j] = widen_any(row, j, t1);
+      if (t2 == WType::F32) correction<WType::F32>(e.data(), w2t.data_ptr(), r, N, corr.data());
+      if (t2 == WType::BF16) correction<WType::BF16>(e.data(), w2t.data_ptr(), r, N, corr.data());
+      if (t2 == WType::F16) correction<WType::F16>(e.data(), w2t.data_ptr(), r, N, corr.data());
+      round_all(corr.data(), N, t2);  // the module's product returns W2's dtype
       const float* lg = bp + (b * K + k) * N;
-      const float* c = corr.data() + b * N;
+      const float* c = corr.data();
       int64_t best = 0;
-      float top = lg[0] + round_as(c[0], W2.t);
+      float top = lg[0] + c[0];
       for (int64_t n = 1; n < N; ++n) {
-        const float v = lg[n] + round_as(c[n], W2.t);
+        const float v = lg[n] + c[n];
         if (v > top) {
           top = v;
           best = n;
@@ -89,6 +110,6 @@ at::Tensor markov_greedy(const at::Tensor& base, const at::Tensor& w1, const at:
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dspark_native, m) {
-  m.def("markov_greedy(Tensor base, Tensor w1, Tensor w2, Tensor anchor, Tensor? ids) -> Tensor");
+  m.def("markov_greedy(Tensor base, Tensor w1, Tensor w2t, Tensor anchor, Tensor? ids) -> Tensor");
   m.impl("markov_greedy", c10::DispatchKey::CPU, &markov_greedy);
 }

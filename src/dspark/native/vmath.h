@@ -82,6 +82,28 @@ inline __m256 silu8(__m256 g) {
 }
 #endif
 
+// y[i] = exp(s·x[i]) for i < n (s = 1 or −1), each element alone through the vector exp above where the CPU has one
+// (the same bits on AVX-512 and AVX2; std::exp otherwise)
+inline void exp_array(const float* x, float* y, int64_t n, float s = 1.0f) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i < n; i += 16) {
+    const __mmask16 k = n - i >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(y + i, k, exp16(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, x + i), splat(s))));
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, exp8(_mm256_mul_ps(_mm256_loadu_ps(x + i), splat8(s))));
+  if (i < n) {  // the tail through the same lanes' code
+    alignas(32) float t[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    std::memcpy(t, x + i, sizeof(float) * (n - i));
+    _mm256_store_ps(t, exp8(_mm256_mul_ps(_mm256_load_ps(t), splat8(s))));
+    std::memcpy(y + i, t, sizeof(float) * (n - i));
+    i = n;
+  }
+#endif
+  for (; i < n; ++i) y[i] = std::exp(s * x[i]);
+}
+
 // x[s] = exp(x[s] − mx), 0 where x[s] is −inf (a hidden key): each element alone through the vector exp above where
 // the CPU has one (the same bits on AVX-512 and AVX2), so a row's weights never depend on the other rows of the call
 inline void exp_shifted(float* x, int64_t n, float mx) {
