@@ -102,11 +102,16 @@ class MarkovHead(nn.Module):
         return ops.markov_greedy(base, w1.contiguous(), self._transposed(weight), anchor.long().contiguous(), ids)
 
     def _transposed(self, weight: torch.Tensor) -> torch.Tensor:
-        """W2ᵀ [r, N] contiguous, made once per weight (and again only if the weight changes in place)."""
+        """W2ᵀ [r, N] contiguous, made once per weight (and again only if the weight changes in place); in bf16 when
+        an fp32 W2 holds only bf16 values (a bf16 checkpoint served in fp32): the same products from half the bytes,
+        which is what each of the K serial slots reads."""
         key = (weight.data_ptr(), weight._version)
         cached = self._w2t.get(id(weight))
         if cached is None or cached[0]() is not weight or cached[1] != key:
-            cached = (weakref.ref(weight), key, weight.detach().t().contiguous())
+            t = weight.detach().t().contiguous()
+            if t.dtype == torch.float32 and torch.equal(t.to(torch.bfloat16).float(), t):
+                t = t.to(torch.bfloat16)
+            cached = (weakref.ref(weight), key, t)
             self._w2t[id(weight)] = cached
         return cached[2]
 

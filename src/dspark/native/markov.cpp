@@ -1,13 +1,15 @@
 // markov_greedy: the Markov head's serial greedy loop (vanilla head) for every request in one call, instead of K
-// rounds of ~10 eager ops: per slot k, e = W1[prev] (the previous token's row), the correction W2·e rounded to W2's
-// dtype (what the module's product returns), added to the base logits in fp32, and the first index of the maximum
+// rounds of ~10 eager ops: per slot k, e = W1[prev] (the previous token's row), the correction W2·e rounded to the
+// head's dtype (what the module's product returns), added to the base logits in fp32, and the first index of the maximum
 // (torch.argmax's choice) as the next token, mapped through ids when the logits cover a reduced draft vocabulary.
 // Compiled with kernels.cpp into one library, one torch.ops namespace.
 //
 //   base   [B, K, N] fp32   the drafter's base logits of the K slots (N: the vocabulary, or the reduced one)
 //   w1     [V, r]           the head's W1 (fp32, bf16 or fp16), rows by target token id
-//   w2t    [r, N]           W2 transposed (or its rows of the reduced vocabulary), same dtypes: the correction is
-//                           r vector FMAs over N contiguous lanes, with no reduction across lanes
+//   w2t    [r, N]           W2 transposed (or its rows of the reduced vocabulary): the correction is r vector FMAs
+//                           over N contiguous lanes, with no reduction across lanes. W1's dtype, or bf16 where W2's
+//                           fp32 values are all bf16 values (a drafter stored in bf16): the same products, half the
+//                           bytes read per slot
 //   anchor [B] int64        the token before slot 0
 //   ids    [N] int64        optional: draft index -> target token id
 //   -> tokens [B, K] int64 (target ids)
@@ -37,20 +39,71 @@ inline float widen_any(const void* row, int64_t j, WType t) {
   return static_cast<const float*>(row)[j];
 }
 
-// c[n] = Σ_j e[j]·w2t[j, n] for n < N, j in order (one FMA chain per output)
+// c[n] = Σ_j e[j]·w2t[j, n] for n < N, j in order (one FMA chain per output; AVX-512: 64 outputs at a time, their
+// chains in registers)
 template <WType T>
 void correction(const float* e, const void* w2t, int64_t r, int64_t N, float* c) {
-  std::fill(c, c + N, 0.f);
-  for (int64_t j = 0; j < r; ++j) {
-    const void* row = static_cast<const uint8_t*>(w2t) + j * N * (T == WType::F32 ? 4 : 2);
-    int64_t n = 0;
+  constexpr int64_t esize = T == WType::F32 ? 4 : 2;
+  const auto* base = static_cast<const uint8_t*>(w2t);
+  int64_t n0 = 0;
 #if defined(DSPARK_DENSE512)
-    const __m512 ej = _mm512_set1_ps(e[j]);
-    for (; n + 16 <= N; n += 16)
-      _mm512_storeu_ps(c + n, _mm512_fmadd_ps(ej, load16<T>(row, n, 0xFFFF), _mm512_loadu_ps(c + n)));
-#endif
-    for (; n < N; ++n) c[n] = std::fma(e[j], widen<T>(row, n), c[n]);
+  for (; n0 + 64 <= N; n0 += 64) {
+    __m512 acc[4];
+    for (int u = 0; u < 4; ++u) acc[u] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < r; ++j) {
+      const void* row = base + j * N * esize;
+      const __m512 ej = _mm512_set1_ps(e[j]);
+      for (int u = 0; u < 4; ++u) acc[u] = _mm512_fmadd_ps(ej, load16<T>(row, n0 + 16 * u, 0xFFFF), acc[u]);
+    }
+    for (int u = 0; u < 4; ++u) _mm512_storeu_ps(c + n0 + 16 * u, acc[u]);
   }
+#endif
+  std::fill(c + n0, c + N, 0.f);
+  for (int64_t j = 0; j < r; ++j) {
+    const void* row = base + j * N * esize;
+    for (int64_t n = n0; n < N; ++n) c[n] = std::fma(e[j], widen<T>(row, n), c[n]);
+  }
+}
+
+// the first index of the maximum of lg[n] + c[n] (torch.argmax's choice; AVX-512: per lane the first maximum, then
+// the lowest index among the lanes that hold the overall one)
+inline int64_t argmax_sum(const float* lg, const float* c, int64_t N) {
+  int64_t n = 0, best = 0;
+  float top = lg[0] + c[0];
+#if defined(DSPARK_DENSE512)
+  if (N >= 16) {
+    __m512 vmax = _mm512_add_ps(_mm512_loadu_ps(lg), _mm512_loadu_ps(c));
+    __m512i vidx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i step = _mm512_set1_epi32(16);
+    __m512i cur = vidx;
+    for (n = 16; n + 16 <= N; n += 16) {
+      cur = _mm512_add_epi32(cur, step);
+      const __m512 v = _mm512_add_ps(_mm512_loadu_ps(lg + n), _mm512_loadu_ps(c + n));
+      const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ);
+      vmax = _mm512_mask_mov_ps(vmax, gt, v);
+      vidx = _mm512_mask_mov_epi32(vidx, gt, cur);
+    }
+    alignas(64) float mv[16];
+    alignas(64) int32_t mi[16];
+    _mm512_store_ps(mv, vmax);
+    _mm512_store_si512(mi, vidx);
+    top = mv[0];
+    best = mi[0];
+    for (int l = 1; l < 16; ++l)
+      if (mv[l] > top || (mv[l] == top && mi[l] < best)) {
+        top = mv[l];
+        best = mi[l];
+      }
+  }
+#endif
+  for (n = std::max<int64_t>(n, 1); n < N; ++n) {
+    const float v = lg[n] + c[n];
+    if (v > top) {
+      top = v;
+      best = n;
+    }
+  }
+  return best;
 }
 
 at::Tensor markov_greedy(const at::Tensor& base, const at::Tensor& w1, const at::Tensor& w2t, const at::Tensor& anchor,
@@ -87,18 +140,8 @@ at::Tensor markov_greedy(const at::Tensor& base, const at::Tensor& w1, const at:
       if (t2 == WType::F32) correction<WType::F32>(e.data(), w2t.data_ptr(), r, N, corr.data());
       if (t2 == WType::BF16) correction<WType::BF16>(e.data(), w2t.data_ptr(), r, N, corr.data());
       if (t2 == WType::F16) correction<WType::F16>(e.data(), w2t.data_ptr(), r, N, corr.data());
-      round_all(corr.data(), N, t2);  // the module's product returns W2's dtype
-      const float* lg = bp + (b * K + k) * N;
-      const float* c = corr.data();
-      int64_t best = 0;
-      float top = lg[0] + c[0];
-      for (int64_t n = 1; n < N; ++n) {
-        const float v = lg[n] + c[n];
-        if (v > top) {
-          top = v;
-          best = n;
-        }
-      }
+      round_all(corr.data(), N, t1);  // the module's product returns the head's dtype (W1's)
+      const int64_t best = argmax_sum(bp + (b * K + k) * N, corr.data(), N);
       const int64_t tok = map != nullptr ? map[best] : best;
       tp[b * K + k] = tok;
       prev[b] = tok;
