@@ -16,8 +16,6 @@ from dspark.models.protocol import StateSpec
 from dspark.models.quantized import QuantGroup, QuantLinear, silu_mul_f32
 from dspark.models.rope import RotaryEmbedding
 
-LOW_PRECISION = (torch.bfloat16, torch.float16)
-
 
 class RMSNorm(nn.Module):
     """x / rms(x) · weight, computed in fp32 and cast back (as DeepSeek/HF do)."""
@@ -35,10 +33,6 @@ class RMSNorm(nn.Module):
             ops = self._native_ops(x)
             if ops is not None:
                 return ops.rms_norm(x, self.weight, self.eps, None)[0]
-            if x.dtype in LOW_PRECISION and self.weight.dtype == x.dtype and x.device.type == "cpu":
-                ops = native.inference_ops()  # the same roundings in one native op (F.rms_norm is several)
-                if ops is not None:
-                    return ops.rms_norm(x, self.weight, self.eps, None)[0]
             return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 

@@ -13,7 +13,6 @@
 #include <tuple>
 #include <vector>
 
-#include "dense.h"
 #include "quant_blocks.h"
 #include "vmath.h"
 
@@ -44,39 +43,9 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
 }
 
 // x, residual [..., D] fp32 (residual optional); w [D] -> (w · h / rms(h), h) with h = x (+ residual)
-// A bf16/fp16 x (no residual) with its weight in the same dtype: in fp32, y = round(w · round(x / rms(x))), the
-// rounding of torch's rms_norm output and of the weight product the module applies after it; one op instead of the
-// several of F.rms_norm over a reduced-precision tensor.
-template <WType T>
-at::Tensor rms_norm_low(const at::Tensor& x, const at::Tensor& w, double eps) {
-  const int64_t D = x.size(-1), R = D ? x.numel() / D : 0;
-  at::Tensor y = at::empty(x.sizes(), x.options());
-  const void *xp = x.data_ptr(), *wp = w.data_ptr();
-  auto* yp = static_cast<uint16_t*>(y.data_ptr());
-  std::vector<float> row(D), wf(D);
-  for (int64_t j = 0; j < D; ++j) wf[j] = widen<T>(wp, j);
-  for (int64_t i = 0; i < R; ++i) {
-    for (int64_t j = 0; j < D; ++j) row[j] = widen<T>(xp, i * D + j);
-    const float inv = 1.0f / std::sqrt(dot_f32(row.data(), row.data(), D) / float(D) + float(eps));
-    for (int64_t j = 0; j < D; ++j) {
-      const float v = wf[j] * round_as(row[j] * inv, T);
-      yp[i * D + j] = T == WType::BF16 ? f_to_bf16(v) : f_to_f16(v);
-    }
-  }
-  return y;
-}
-
 std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps,
                                             const std::optional<at::Tensor>& residual) {
-  const auto xt = x_in.scalar_type();
-  if ((xt == at::kBFloat16 || xt == at::kHalf) && w_in.scalar_type() == xt && !residual.has_value()) {
-    const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
-    TORCH_CHECK(w.numel() == x.size(-1), "dspark rms_norm: weight has ", w.numel(), " values for rows of ",
-                x.size(-1));
-    return {xt == at::kBFloat16 ? rms_norm_low<WType::BF16>(x, w, eps) : rms_norm_low<WType::F16>(x, w, eps), x};
-  }
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat && w_in.scalar_type() == at::kFloat,
-              "dspark rms_norm: fp32, or bf16/fp16 x with a weight of its dtype and no residual");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && w_in.scalar_type() == at::kFloat, "dspark rms_norm: fp32 only");
   const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
   const int64_t D = x.size(-1), R = D ? x.numel() / D : 0;
   TORCH_CHECK(w.numel() == D, "dspark rms_norm: weight has ", w.numel(), " values for rows of ", D);
