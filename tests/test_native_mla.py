@@ -97,6 +97,39 @@ def test_each_row_alone_bit_for_bit(dtype):
             assert torch.equal(one, whole[b : b + 1]), b
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_k3_latent_width(dtype):
+    """K3's 576-wide latent (kv_lora_rank 512 + rope 64: the wide-row score path, and bf16 pair products where the
+    CPU has them), 3 heads (query tiles not a multiple of 4), 37 keys (odd: a half pair): the module path's values,
+    each row alone bit for bit, and the same bits when hidden keys follow (a longer cache, a later chunk)."""
+    rope = RopeConfig(dim=64, theta=10000.0)
+    cfg = MLAConfig(hidden_size=64, num_heads=3, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=32,
+                    qk_rope_head_dim=64, v_head_dim=24, rope=rope, use_nope=False, use_output_gate=True)  # fmt: skip
+    torch.manual_seed(1)
+    attn = MLAttention(cfg, 0)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(0, 0.1)
+    attn = attn.to(dtype)
+    x, (q_nope, q_pe), kv, mask = inputs(attn, RotaryEmbedding(rope), 5, dtype, B=2, S=37)
+    with torch.no_grad():
+        fast = attn.attend_queries(x, (q_nope, q_pe), kv, mask, True)
+        mla.NATIVE_INFERENCE = False
+        try:
+            ref = attn.attend_queries(x, (q_nope, q_pe), kv, mask, True)
+        finally:
+            mla.NATIVE_INFERENCE = True
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(fast.float(), ref.float(), rtol=tol, atol=tol)
+        for t in range(5):
+            rows = slice(t, t + 1)
+            one = attn.attend_queries(x[:, rows], (q_nope[:, rows], q_pe[:, rows]), kv, mask[:, rows], True)
+            assert torch.equal(one, fast[:, rows]), t
+        longer = torch.cat([kv, torch.randn(2, 6, kv.shape[-1]).to(dtype)], 1)  # 6 more keys, hidden from every row
+        hidden = torch.cat([mask, torch.zeros(*mask.shape[:-1], 6, dtype=torch.bool)], -1)
+        assert torch.equal(attn.attend_queries(x, (q_nope, q_pe), longer, hidden, True), fast)
+
+
 @pytest.mark.parametrize("build", [build_tiny_pair, build_tiny_hybrid_pair])
 def test_greedy_generation_same_with_native_on_and_off(monkeypatch, build):
     target, drafter = build(0)

@@ -23,11 +23,13 @@ def _long_target():
     return build_tiny_pair(0, tcfg)[0]
 
 
-@pytest.mark.parametrize("family", ["mla", "llama"])
+@pytest.mark.parametrize("family", ["mla", "llama", "hybrid"])
 def test_chunked_target_features_equal_one_pass(family):
     """Taps and final hidden of two right-padded samples (150 and 97 tokens, past the 64-token original window)
-    computed 32 tokens at a time over a latent cache equal the one-pass features."""
-    target = _long_target() if family == "mla" else build_tiny_gqa_pair(0)[0]
+    computed 32 tokens at a time over a latent cache (a hybrid target: and its KDA states carried from chunk to
+    chunk) equal the one-pass features."""
+    builds = {"mla": _long_target, "llama": lambda: build_tiny_gqa_pair(0)[0]}
+    target = builds.get(family, lambda: build_tiny_hybrid_pair(0)[0])()
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(4, 96, (2, 150), generator=g)
     ids[1, 97:] = 0  # padding: the causal target ignores it
@@ -38,12 +40,6 @@ def test_chunked_target_features_equal_one_pass(family):
     torch.testing.assert_close(chunked.hidden, one.hidden, rtol=1e-5, atol=1e-5)
     short = target_features(target, ids[:, :20], taps, "float32", autocast=False, chunk=32)  # ≤ chunk: one pass
     torch.testing.assert_close(short.hidden, one.hidden[:, :20], rtol=1e-5, atol=1e-5)
-
-
-def test_chunked_features_refuse_a_stateful_target():
-    target = build_tiny_hybrid_pair(0)[0]
-    with pytest.raises(ValueError, match="feature_chunk"):
-        target_features(target, torch.randint(4, 96, (1, 40)), (0,), "float32", autocast=False, chunk=16)
 
 
 def test_anchors_are_drawn_across_the_whole_sample():

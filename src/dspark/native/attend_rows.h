@@ -12,6 +12,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -388,6 +390,184 @@ void score_lanes(const float* q, int64_t K, const uint8_t* const* keys, const fl
     for (int64_t s = i < M4 ? S4 : 0; s < S; ++s) score_one(i, s);
 }
 
+#if defined(DSPARK_DENSE512) && defined(__AVX512BF16__)
+#define DSPARK_BF16_PAIRS 1
+// bf16 models on CPUs with AVX-512 BF16: the scores of wide rows and every weighted sum run as bf16 pair products
+// (vdpbf16ps: two bf16 products added in fp32, then added to the fp32 lane), half the instructions of widened fp32
+// FMAs. The operands are the module path's bf16 values (queries, latents and probabilities are rounded to bf16
+// there), so only the order of the sums changes, and it is fixed per output: a score is 16 lane chains over its
+// width in 32-element steps, then reduce4's tree; a weighted sum runs over the keys in pairs (s, s+1), s even,
+// in their order. Nothing depends on how many rows share the call.
+
+// bf16 bits of an fp32 value, rounded to nearest even (exact for values that are already bf16)
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline void to_bf16(const float* x, int64_t n, uint16_t* out) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+  for (; i < n; ++i) out[i] = bf16_bits(x[i]);
+}
+
+// the four lane sums of a, b, c, d in one fixed tree (lane i + lane i+8, then i+4, then i+2, then i+1)
+inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  const __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  const __m512 t = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4E));
+  const __m512 u = _mm512_add_ps(t, _mm512_permute_ps(t, 0xB1));
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                                        0, 0, 0), u));
+}
+
+// out[4·j + k] = score of query row j (bf16, stride ldq) against key k, for N query rows and 4 keys
+template <int N>
+inline void dots_bf16(const uint16_t* const* keys, int64_t K, const uint16_t* q, int64_t ldq, float* out) {
+  __m512 acc[N][4];
+  for (int j = 0; j < N; ++j)
+    for (int k = 0; k < 4; ++k) acc[j][k] = _mm512_setzero_ps();
+  for (int64_t w = 0; w < K; w += 32) {
+    const __mmask32 m = K - w >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1u << (K - w)) - 1);
+    __m512bh kv[4];
+    for (int k = 0; k < 4; ++k) kv[k] = (__m512bh)_mm512_maskz_loadu_epi16(m, keys[k] + w);
+    for (int j = 0; j < N; ++j) {
+      const __m512bh x = (__m512bh)_mm512_maskz_loadu_epi16(m, q + j * ldq + w);
+      for (int k = 0; k < 4; ++k) acc[j][k] = _mm512_dpbf16_ps(acc[j][k], kv[k], x);
+    }
+  }
+  for (int j = 0; j < N; ++j) _mm_storeu_ps(out + 4 * j, reduce4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]));
+}
+
+template <int N>
+inline void score_tile_bf16(const uint16_t* const* keys, int64_t K, const uint16_t* q, float* out) {
+  dots_bf16<N>(keys, K, q, K, out);
+}
+
+// score_lanes' scores from bf16 keys and queries: tiles of up to 4 query rows × 4 keys (past the last key: a zero
+// row), a block of kKeyBlock key rows kept in cache for every query tile
+inline void score_pairs(const float* q, int64_t K, const uint8_t* const* keys, const float* bias, int64_t M,
+                        int64_t G, int64_t S, float* p) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  thread_local std::vector<uint16_t> qb, zero;
+  qb.resize(M * K);
+  to_bf16(q, M * K, qb.data());
+  zero.assign(K, 0);
+  float sc[16];
+  const uint16_t* kp[4];
+  for (int64_t s0 = 0; s0 < S; s0 += kKeyBlock) {
+    const int64_t s1 = std::min(S, s0 + kKeyBlock);
+    for (int64_t i = 0; i < M; i += 4) {
+      const int nq = static_cast<int>(std::min<int64_t>(4, M - i));
+      for (int64_t s = s0; s < s1; s += 4) {
+        const int nk = static_cast<int>(std::min<int64_t>(4, s1 - s));
+        bool all_hidden = true;
+        for (int j = 0; j < nq && all_hidden; ++j)
+          for (int k = 0; k < nk && all_hidden; ++k) all_hidden = bias[((i + j) / G) * S + s + k] == ninf;
+        if (!all_hidden) {
+          for (int k = 0; k < 4; ++k) kp[k] = k < nk ? reinterpret_cast<const uint16_t*>(keys[s + k]) : zero.data();
+          const uint16_t* qi = qb.data() + i * K;
+          switch (nq) {
+            case 1: score_tile_bf16<1>(kp, K, qi, sc); break;
+            case 2: score_tile_bf16<2>(kp, K, qi, sc); break;
+            case 3: score_tile_bf16<3>(kp, K, qi, sc); break;
+            default: score_tile_bf16<4>(kp, K, qi, sc); break;
+          }
+        }
+        for (int j = 0; j < nq; ++j)
+          for (int k = 0; k < nk; ++k) p[(i + j) * S + s + k] = all_hidden ? 0.f : sc[4 * j + k];
+      }
+    }
+  }
+}
+
+// acc[r][g] += Σ over the key pairs (s, s+1) of [s0, s1) of pb_r(s, s+1)·(value_s, value_{s+1}), for the 64 columns
+// at c (lanes in unpack order: see weighted_pairs); a pair no row weighs is skipped, a row whose pair is 0 keeps
+// its sums
+template <int N>
+inline void pair_block(const uint32_t* pb, int64_t ldp, const uint16_t* const* values, const uint16_t* zero,
+                       int64_t S, int64_t s0, int64_t s1, int64_t c, int64_t C, float* acc_mem, int64_t ldacc) {
+  __mmask32 m[2];
+  for (int g = 0; g < 2; ++g) {
+    const int64_t left = std::max<int64_t>(0, std::min<int64_t>(32, C - c - 32 * g));
+    m[g] = left == 32 ? ~__mmask32(0) : static_cast<__mmask32>((1u << left) - 1);
+  }
+  __m512 acc[N][4];
+  for (int r = 0; r < N; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_loadu_ps(acc_mem + r * ldacc + 16 * j);
+  for (int64_t s = s0; s < s1; s += 2) {
+    uint32_t w[N];
+    bool any = false;
+    for (int r = 0; r < N; ++r) any |= (w[r] = pb[r * ldp + s / 2]) != 0;
+    if (!any) continue;
+    const uint16_t* v0 = values[s];
+    const uint16_t* v1 = s + 1 < S ? values[s + 1] : zero;
+    __m512bh v[4];
+    for (int g = 0; g < 2; ++g) {
+      const __m512i a = _mm512_maskz_loadu_epi16(m[g], v0 + c + 32 * g);
+      const __m512i b = _mm512_maskz_loadu_epi16(m[g], v1 + c + 32 * g);
+      v[2 * g] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      v[2 * g + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    }
+    for (int r = 0; r < N; ++r) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[r]));
+      const __mmask16 on = w[r] != 0 ? __mmask16(0xFFFF) : __mmask16(0);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_mask_dpbf16_ps(acc[r][j], on, v[j], x);
+    }
+  }
+  for (int r = 0; r < N; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc_mem + r * ldacc + 16 * j, acc[r][j]);
+}
+
+// weighted_values for every query row from bf16 probabilities p [M, S] (already bf16 values) and bf16 value rows:
+// o [M, C]. Key blocks go outermost (a block stays in cache for every row tile); the sums wait in memory between
+// blocks, so each output is still one sum over the key pairs in order.
+inline void weighted_pairs(const float* p, int64_t M, int64_t S, const uint8_t* const* values_in, int64_t C,
+                           float* o) {
+  const int64_t S2 = (S + 1) / 2, Cp = (C + 63) / 64 * 64;
+  thread_local std::vector<uint32_t> pb;
+  thread_local std::vector<float> acc;
+  thread_local std::vector<uint16_t> zero;
+  pb.assign(M * S2, 0u);
+  for (int64_t i = 0; i < M; ++i) to_bf16(p + i * S, S, reinterpret_cast<uint16_t*>(pb.data() + i * S2));
+  acc.assign(M * Cp, 0.f);
+  zero.assign(Cp, 0);
+  const auto* const* values = reinterpret_cast<const uint16_t* const*>(values_in);
+  for (int64_t s0 = 0; s0 < S; s0 += kKeyBlock) {
+    const int64_t s1 = std::min(S, s0 + kKeyBlock);
+    for (int64_t i = 0; i < M; i += 4) {
+      const int n = static_cast<int>(std::min<int64_t>(4, M - i));
+      for (int64_t c = 0; c < C; c += 64) {
+        const uint32_t* pi = pb.data() + i * S2;
+        float* ai = acc.data() + i * Cp + c;
+        switch (n) {
+          case 1: pair_block<1>(pi, S2, values, zero.data(), S, s0, s1, c, C, ai, Cp); break;
+          case 2: pair_block<2>(pi, S2, values, zero.data(), S, s0, s1, c, C, ai, Cp); break;
+          case 3: pair_block<3>(pi, S2, values, zero.data(), S, s0, s1, c, C, ai, Cp); break;
+          default: pair_block<4>(pi, S2, values, zero.data(), S, s0, s1, c, C, ai, Cp); break;
+        }
+      }
+    }
+  }
+  // unpack order → columns: in 32 columns at 32·g, lane 4·l + e of the low half is column 8·l + e, of the high half
+  // column 8·l + 4 + e (unpacklo/hi work within 128-bit chunks)
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t c = 0; c < C; c += 32) {
+      const float* a = acc.data() + i * Cp + c;
+      float out[32];
+      for (int l = 0; l < 4; ++l)
+        for (int e = 0; e < 4; ++e) {
+          out[8 * l + e] = a[4 * l + e];
+          out[8 * l + 4 + e] = a[16 + 4 * l + e];
+        }
+      std::copy(out, out + std::min<int64_t>(32, C - c), o + i * C + c);
+    }
+}
+#endif
+
 // scores, softmax and weighted values of one sequence's query rows: q [M, K] fp32 (row i at position i / G), key
 // rows keys[s] (K wide), value rows values[s] (C wide), bias [positions, S] → o [M, C] rounded to md; p: [M, S]
 // scratch. Each query row's sums run in the orders above, whatever M. A key hidden from a row (bias −inf: a later
@@ -395,6 +575,20 @@ void score_lanes(const float* q, int64_t K, const uint8_t* const* keys, const fl
 template <WType T>
 void attend_rows(const float* q, int64_t K, const uint8_t* const* keys, const uint8_t* const* values, int64_t C,
                  WType md, const float* bias, int64_t M, int64_t G, int64_t S, float scale, float* o, float* p) {
+#if defined(DSPARK_BF16_PAIRS)
+  if constexpr (T == WType::BF16) {
+    if (md == WType::BF16) {
+      if (K <= kTransposeWidth)
+        score_transposed<T>(q, K, keys, bias, M, G, S, p);
+      else
+        score_pairs(q, K, keys, bias, M, G, S, p);
+      for (int64_t i = 0; i < M; ++i) softmax_row(p + i * S, bias + (i / G) * S, S, scale, md);
+      weighted_pairs(p, M, S, values, C, o);
+      round_all(o, M * C, md);
+      return;
+    }
+  }
+#endif
   if (K <= kTransposeWidth)
     score_transposed<T>(q, K, keys, bias, M, G, S, p);
   else

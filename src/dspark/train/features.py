@@ -122,11 +122,12 @@ def _chunked_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The target over ``chunk`` rows at a time, each chunk attending to the cached keys/latents of the rows
     before it (one page per sequence): attention and MLP temporaries scale with chunk·S, not S², so long
-    training samples fit in bounded memory. → (taps [B, S, m·D], hidden [B, S, D]) as one pass gives them."""
+    training samples fit in bounded memory; a hybrid target's KDA states go from chunk to chunk. → (taps [B, S, m·D], hidden [B, S, D]) as one pass gives them."""
     from dspark.cache.pool import PagedPool
+    from dspark.models.kda import KDACache
 
-    if getattr(target, "state_spec", None) is not None:
-        raise ValueError("chunked target features need a target without recurrent state; set feature_chunk to null")
+    # a hybrid target's recurrent layers carry their state from one chunk to the next
+    extra = {"states": KDACache()} if getattr(target, "state_spec", None) is not None else {}
     B, S = input_ids.shape
     fmt = target.page_format
     dtype = fmt.dtype or next(target.parameters()).dtype
@@ -138,7 +139,7 @@ def _chunked_forward(
         pos = torch.arange(s, e, device=input_ids.device).expand(B, e - s)  # [B, T]
         store = pool.view(base + pos, base + torch.arange(e, device=input_ids.device))  # reads positions 0..e-1
         mask = torch.arange(e, device=input_ids.device)[None, None, :] <= pos[:, :, None]  # [B, T, e] causal
-        out = target(input_ids[:, s:e], pos, mask, store, tap_layers, absorbed=absorbed, compute_logits=False)
+        out = target(input_ids[:, s:e], pos, mask, store, tap_layers, absorbed=absorbed, compute_logits=False, **extra)
         assert out.taps is not None
         taps.append(out.taps)
         hidden.append(out.hidden)
