@@ -374,3 +374,22 @@ def test_the_avx2_and_scalar_paths_compute_the_same(march):
         [sys.executable, "-c", OTHER_PATHS.format(march=march)], env=env, capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("k", [256, 77])
+def test_dense_linear_is_near_f_linear_and_each_row_alone(dtype, k):
+    """The dense product every native bf16/fp16/fp32 layer uses (bf16 pair products where the CPU has them, k not a
+    multiple of the 32-element step too): near F.linear in fp64 over the same values, and any batch of 1-13 rows
+    gives each row its one-row result bit for bit (6 weight rows past the last full 4 as well)."""
+    g = torch.Generator().manual_seed(k)
+    w = (torch.randn(70, k, generator=g) * 0.1).to(dtype)
+    x = torch.randn(13, k, generator=g).to(dtype)
+    y = ops().dense_linear(x, w, None)
+    ref = x.double() @ w.double().T
+    bound = 1e-5 * (x.double().abs() @ w.double().abs().T) + (0 if dtype == torch.float32 else ref.abs() / 128)
+    assert bool(((y.double() - ref).abs() <= bound + 1e-6).all())
+    for m in (1, 2, 3, 5, 8):
+        for r in range(0, 13, m):
+            assert torch.equal(ops().dense_linear(x[r : r + m], w, None), y[r : r + m]), (m, r)

@@ -390,57 +390,13 @@ void score_lanes(const float* q, int64_t K, const uint8_t* const* keys, const fl
     for (int64_t s = i < M4 ? S4 : 0; s < S; ++s) score_one(i, s);
 }
 
-#if defined(DSPARK_DENSE512) && defined(__AVX512BF16__)
-#define DSPARK_BF16_PAIRS 1
+#if defined(DSPARK_BF16_PAIRS)
 // bf16 models on CPUs with AVX-512 BF16: the scores of wide rows and every weighted sum run as bf16 pair products
 // (vdpbf16ps: two bf16 products added in fp32, then added to the fp32 lane), half the instructions of widened fp32
 // FMAs. The operands are the module path's bf16 values (queries, latents and probabilities are rounded to bf16
 // there), so only the order of the sums changes, and it is fixed per output: a score is 16 lane chains over its
 // width in 32-element steps, then reduce4's tree; a weighted sum runs over the keys in pairs (s, s+1), s even,
 // in their order. Nothing depends on how many rows share the call.
-
-// bf16 bits of an fp32 value, rounded to nearest even (exact for values that are already bf16)
-inline uint16_t bf16_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-inline void to_bf16(const float* x, int64_t n, uint16_t* out) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
-  for (; i < n; ++i) out[i] = bf16_bits(x[i]);
-}
-
-// the four lane sums of a, b, c, d in one fixed tree (lane i + lane i+8, then i+4, then i+2, then i+1)
-inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
-  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
-  const __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
-  const __m512 t = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4E));
-  const __m512 u = _mm512_add_ps(t, _mm512_permute_ps(t, 0xB1));
-  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                                                        0, 0, 0), u));
-}
-
-// out[4·j + k] = score of query row j (bf16, stride ldq) against key k, for N query rows and 4 keys
-template <int N>
-inline void dots_bf16(const uint16_t* const* keys, int64_t K, const uint16_t* q, int64_t ldq, float* out) {
-  __m512 acc[N][4];
-  for (int j = 0; j < N; ++j)
-    for (int k = 0; k < 4; ++k) acc[j][k] = _mm512_setzero_ps();
-  for (int64_t w = 0; w < K; w += 32) {
-    const __mmask32 m = K - w >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1u << (K - w)) - 1);
-    __m512bh kv[4];
-    for (int k = 0; k < 4; ++k) kv[k] = (__m512bh)_mm512_maskz_loadu_epi16(m, keys[k] + w);
-    for (int j = 0; j < N; ++j) {
-      const __m512bh x = (__m512bh)_mm512_maskz_loadu_epi16(m, q + j * ldq + w);
-      for (int k = 0; k < 4; ++k) acc[j][k] = _mm512_dpbf16_ps(acc[j][k], kv[k], x);
-    }
-  }
-  for (int j = 0; j < N; ++j) _mm_storeu_ps(out + 4 * j, reduce4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]));
-}
 
 template <int N>
 inline void score_tile_bf16(const uint16_t* const* keys, int64_t K, const uint16_t* q, float* out) {

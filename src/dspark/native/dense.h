@@ -240,11 +240,137 @@ void tiled_rows(const DenseW& W, const float* x, int64_t M, int64_t ldx, float* 
 }
 #endif
 
+#if defined(DSPARK_DENSE512) && defined(__AVX512BF16__)
+#define DSPARK_BF16_PAIRS 1
+// bf16 weights on CPUs with AVX-512 BF16: a row of x whose values are all bf16 (what a bf16 module path multiplies)
+// goes through bf16 pair products (vdpbf16ps: two bf16 products added in fp32, then added to an fp32 lane), half
+// the instructions of widened fp32 FMAs. Each output is 16 lane chains over k in 32-element steps, then reduce4's
+// tree, whatever the tile. A row with other values keeps the fp32 path. Either way the path is chosen by the row
+// alone, so a row's result never depends on the other rows of the call.
+
+// bf16 bits of an fp32 value, rounded to nearest even (exact for values that are already bf16)
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline void to_bf16(const float* x, int64_t n, uint16_t* out) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+  for (; i < n; ++i) out[i] = bf16_bits(x[i]);
+}
+
+// the four lane sums of a, b, c, d in one fixed tree (lane i + lane i+8, then i+4, then i+2, then i+1)
+inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  const __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  const __m512 t = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4E));
+  const __m512 u = _mm512_add_ps(t, _mm512_permute_ps(t, 0xB1));
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                                        0, 0, 0), u));
+}
+
+// out[4·j + k] = score of query row j (bf16, stride ldq) against key k, for N query rows and 4 keys
+template <int N>
+inline void dots_bf16(const uint16_t* const* keys, int64_t K, const uint16_t* q, int64_t ldq, float* out) {
+  __m512 acc[N][4];
+  for (int j = 0; j < N; ++j)
+    for (int k = 0; k < 4; ++k) acc[j][k] = _mm512_setzero_ps();
+  for (int64_t w = 0; w < K; w += 32) {
+    const __mmask32 m = K - w >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1u << (K - w)) - 1);
+    __m512bh kv[4];
+    for (int k = 0; k < 4; ++k) kv[k] = (__m512bh)_mm512_maskz_loadu_epi16(m, keys[k] + w);
+    for (int j = 0; j < N; ++j) {
+      const __m512bh x = (__m512bh)_mm512_maskz_loadu_epi16(m, q + j * ldq + w);
+      for (int k = 0; k < 4; ++k) acc[j][k] = _mm512_dpbf16_ps(acc[j][k], kv[k], x);
+    }
+  }
+  for (int j = 0; j < N; ++j) _mm_storeu_ps(out + 4 * j, reduce4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]));
+}
+
+// y[m·ldy + i] for N bf16 x rows (stride K) × the 4 weight rows at n (past n1: a zero row)
+template <int N>
+inline void pair_tile(const uint16_t* const* w, int64_t K, const uint16_t* xb, float* y, int64_t ldy, int nw) {
+  float out[16];
+  dots_bf16<N>(w, K, xb, K, out);
+  for (int j = 0; j < N; ++j)
+    for (int i = 0; i < nw; ++i) y[j * ldy + i] = out[4 * j + i];
+}
+
+// y[m, n] for n0 <= n < n1 from bf16 rows xb [M, K]: 4 weight rows against every x row (in tiles of 4)
+inline void pair_rows(const DenseW& W, const uint16_t* xb, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t K = W.K;
+  thread_local std::vector<uint16_t> zero;
+  zero.assign(K, 0);
+  const auto* base = static_cast<const uint16_t*>(W.p);
+  for (int64_t n = n0; n < n1; n += 4) {
+    const int nw = static_cast<int>(std::min<int64_t>(4, n1 - n));
+    const uint16_t* w[4];
+    for (int i = 0; i < 4; ++i) w[i] = i < nw ? base + (n + i) * K : zero.data();
+    for (int64_t m = 0; m < M; m += 4) {
+      float* ym = y + m * ldy + n;
+      const uint16_t* xm = xb + m * K;
+      switch (std::min<int64_t>(4, M - m)) {
+        case 1: pair_tile<1>(w, K, xm, ym, ldy, nw); break;
+        case 2: pair_tile<2>(w, K, xm, ym, ldy, nw); break;
+        case 3: pair_tile<3>(w, K, xm, ym, ldy, nw); break;
+        default: pair_tile<4>(w, K, xm, ym, ldy, nw); break;
+      }
+    }
+  }
+}
+
+inline bool bf16_valued(const float* x, int64_t K) {
+  int64_t k = 0;
+  const __m512i low = _mm512_set1_epi32(0xFFFF);
+  for (; k + 16 <= K; k += 16)
+    if (_mm512_test_epi32_mask(_mm512_loadu_si512(x + k), low)) return false;
+  for (; k < K; ++k) {
+    uint32_t u;
+    std::memcpy(&u, x + k, 4);
+    if (u & 0xFFFFu) return false;
+  }
+  return true;
+}
+#endif
+
 // y[m, n] (row stride ldy) = Σ_k x[m, k] (row stride ldx) · W[n, k], for m < M; rows of W split across threads.
 // Every output is one dot_row, whatever M, the thread count and the split: a row's result never depends on the
 // other rows of the call (the batch-invariance the lossless check and prefix caching rely on).
 inline void dense_rows(const DenseW& W, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy) {
   if (M == 0 || W.N == 0) return;
+#if defined(DSPARK_BF16_PAIRS)
+  if (W.t == WType::BF16) {  // rows of bf16 values by pair products, the others below, each row by itself
+    std::vector<int64_t> pairs, rest;
+    for (int64_t m = 0; m < M; ++m) (bf16_valued(x + m * ldx, W.K) ? pairs : rest).push_back(m);
+    if (!pairs.empty()) {
+      const int64_t P = static_cast<int64_t>(pairs.size()), K = W.K;
+      std::vector<uint16_t> xb(P * K);
+      for (int64_t i = 0; i < P; ++i) to_bf16(x + pairs[i] * ldx, K, xb.data() + i * K);
+      const bool direct = P == M;  // every row: straight into y
+      std::vector<float> yb(direct ? 0 : P * W.N);
+      float* out = direct ? y : yb.data();
+      const int64_t ldo = direct ? ldy : W.N;
+      const int64_t grain = std::max<int64_t>(4, (int64_t(1) << 16) / std::max<int64_t>(1, K * P)) / 4 * 4;
+      at::parallel_for(0, (W.N + 3) / 4, std::max<int64_t>(1, grain / 4), [&](int64_t b0, int64_t b1) {
+        pair_rows(W, xb.data(), P, out, ldo, 4 * b0, std::min(W.N, 4 * b1));
+      });
+      if (direct) return;
+      for (int64_t i = 0; i < P; ++i) std::copy(yb.data() + i * W.N, yb.data() + (i + 1) * W.N, y + pairs[i] * ldy);
+      std::vector<float> xr(rest.size() * W.K), yr(rest.size() * W.N);
+      for (size_t i = 0; i < rest.size(); ++i) std::copy(x + rest[i] * ldx, x + rest[i] * ldx + W.K, xr.data() + i * W.K);
+      const int64_t R = static_cast<int64_t>(rest.size());
+      at::parallel_for(0, W.N, 4, [&](int64_t n0, int64_t n1) {
+        tiled_rows<WType::BF16>(W, xr.data(), R, W.K, yr.data(), W.N, n0, n1);
+      });
+      for (int64_t i = 0; i < R; ++i) std::copy(yr.data() + i * W.N, yr.data() + (i + 1) * W.N, y + rest[i] * ldy);
+      return;
+    }
+  }
+#endif
   const int64_t grain = std::max<int64_t>(4, (int64_t(1) << 16) / std::max<int64_t>(1, W.K * M));
   at::parallel_for(0, W.N, grain, [&](int64_t n0, int64_t n1) {
 #if defined(DSPARK_DENSE512)
