@@ -122,7 +122,8 @@ def _chunked_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The target over ``chunk`` rows at a time, each chunk attending to the cached keys/latents of the rows
     before it (one page per sequence): attention and MLP temporaries scale with chunk·S, not S², so long
-    training samples fit in bounded memory; a hybrid target's KDA states go from chunk to chunk. → (taps [B, S, m·D], hidden [B, S, D]) as one pass gives them."""
+    training samples fit in bounded memory; a hybrid target's KDA states go from chunk to chunk.
+    → (taps [B, S, m·D], hidden [B, S, D]) as one pass gives them."""
     from dspark.cache.pool import PagedPool
     from dspark.models.kda import KDACache
 
