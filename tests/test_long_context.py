@@ -214,8 +214,9 @@ def test_cache_report_for_a_16k_request_matches_the_pool_tensors(family):
 
 def test_verify_lossless_at_context_depths(tmp_path, capsys):
     """`dspark verify-lossless --context-depths` pads each prompt with real preceding code (the bench's padding) to
-    each depth and compares target-only with speculative output token by token; a depth the target cannot hold
-    is skipped with a message naming max_model_len, and only skipped depths is an error."""
+    each depth and compares target-only with speculative output token by token; the target's whole window is padded
+    to leave room for the new tokens, a deeper depth is skipped with a message naming max_model_len, and only
+    skipped depths is an error."""
     import json
     import re
 
@@ -242,6 +243,12 @@ def test_verify_lossless_at_context_depths(tmp_path, capsys):
     assert "context depth 1024: skipped" in out and "max_model_len 512" in out
     lengths = [int(n) for n in re.findall(r"depth 300 prompt \d: identical \((\d+) prompt tokens", out)]
     assert len(lengths) == 2 and all(300 - 40 < n <= 300 for n in lengths)  # padded to within a line of the depth
+    assert main([*argv, "--context-depths", "512"]) == 0  # the whole window: room is left for the new tokens
+    out = capsys.readouterr().out
+    room = 512 - 10 - 3 - 1
+    assert f"context depth 512: prompts padded to {room} tokens" in out and "depth 512: 2/2 prompts identical" in out
+    lengths = [int(n) for n in re.findall(r"depth 512 prompt \d: identical \((\d+) prompt tokens", out)]
+    assert len(lengths) == 2 and all(room - 40 < n <= room for n in lengths)
     assert main([*argv, "--context-depths", "2048"]) == 1
     assert "nothing was verified" in capsys.readouterr().err
 

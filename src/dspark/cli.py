@@ -497,6 +497,7 @@ def cmd_verify_lossless(args: argparse.Namespace) -> int:
         model,
         [spec, None],
         *engine_configs(
+            max_model_len=_depth_model_len(model, depths, args.max_tokens + 16),
             dtype=args.dtype,
             quantization=args.quantization,
             attention_backend=args.attention_backend,
@@ -519,6 +520,17 @@ def cmd_verify_lossless(args: argparse.Namespace) -> int:
     verdict = "identical" if not bad else f"{bad} prompt(s) differ"
     print(f"verify-lossless ({precision.dtype}, quantization {precision.quantization}): {verdict}")
     return 1 if bad else 0
+
+
+def _depth_model_len(model: str | Path | None, depths: list[int], extra: int) -> int | None:
+    """A context length that holds the deepest depth plus ``extra`` tokens, up to the target's positions; None where
+    the engine's default (the target's positions, at most 32,768) already does."""
+    if not depths or max(depths) + extra <= 32768:
+        return None
+    from dspark.llm import resolve_model
+    from dspark.models.loading import read_target_config
+
+    return min(max(depths) + extra, read_target_config(resolve_model(model)).max_position_embeddings)
 
 
 def parse_depths(text: str | None) -> list[int]:
@@ -545,14 +557,18 @@ def _lossless_prompt_sets(args: argparse.Namespace, engine, depths: list[int]) -
         return [("", [list(tok.encode(p.text, add_special_tokens=not p.is_chat)) for p in prompts])]
     sources = read_sources(args.context_source) if args.context_source else read_sources()
     sets = []
+    room = engine.max_model_len - args.max_tokens - engine.K - 1  # prompt tokens that leave room for the output
     for depth in depths:
-        if depth + args.max_tokens > engine.max_model_len:
+        if depth > engine.max_model_len or room < 2:
             print(
                 f"context depth {depth}: skipped: {depth} prompt tokens + --max-tokens {args.max_tokens} exceed "
                 f"the target's max_model_len {engine.max_model_len}"
             )
             continue
-        sets.append((f"depth {depth}", [list(ids) for ids in depth_prompts(prompts, depth, tok, sources)]))
+        if depth > room:  # the target's whole window: the prompt leaves room for the new tokens
+            print(f"context depth {depth}: prompts padded to {room} tokens, so that --max-tokens {args.max_tokens} "
+                  f"and a draft block fit in max_model_len {engine.max_model_len}")  # fmt: skip
+        sets.append((f"depth {depth}", [list(ids) for ids in depth_prompts(prompts, min(depth, room), tok, sources)]))
     return sets
 
 

@@ -494,11 +494,18 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
     if cfg.context_depths:
         sources = read_sources(cfg.context_source) if cfg.context_source else read_sources()
         few = prompts[: cfg.context_prompts]
+        positions = tcfg.max_position_embeddings  # a depth cell may reach past max_len, up to the target's positions
+        deep_budget = positions - cfg.max_tokens - k - 1
         for depth in cfg.context_depths:
-            if depth > budget:
-                notes.append(f"context depth {depth}: skipped (with --max-tokens it exceeds {max_len} positions)")
+            if depth > positions or deep_budget < 2:
+                notes.append(f"context depth {depth}: skipped (with --max-tokens it exceeds {positions} positions)")
                 continue
-            padded = depth_prompts(few, depth, tok, sources)
+            if depth > deep_budget:
+                notes.append(
+                    f"context depth {depth}: prompts padded to {deep_budget} tokens, so that --max-tokens and a draft "
+                    f"block fit in the target's {positions} positions"
+                )
+            padded = depth_prompts(few, min(depth, deep_budget), tok, sources)
             for t in cfg.temperatures:
                 depth_cells.append(Cell(f"{dataset}@ctx{depth}", t, min(cfg.concurrency), padded, True))
 
@@ -556,6 +563,7 @@ def _measure_ours(
     page = 16
     extra = cfg.max_tokens + k + 2
     num_pages = max([_pages_needed([len(p) for p in c.prompts], c.concurrency, extra, page) for c in cells])
+    longest = max((len(p) for c in cells for p in c.prompts), default=0)  # a depth past 32K needs a longer context
     engines = build_engines(
         res.target_dir,
         [_spec_for(n, res, k, cfg.draft_window, cfg.draft_vocab_size) for n in engine_names],
@@ -565,7 +573,7 @@ def _measure_ours(
         num_pages=num_pages + max(cfg.concurrency),
         page_size=page,
         seed=cfg.seed,
-        max_model_len=min(tcfg.max_position_embeddings, 32768),
+        max_model_len=min(tcfg.max_position_embeddings, max(32768, longest + extra)),
         enable_prefix_caching=cfg.enable_prefix_caching),
     )
     methods: list[Method] = [EngineMethod(method_label(n, res), e) for n, e in zip(engine_names, engines)]
