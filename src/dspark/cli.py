@@ -327,8 +327,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(line + ("  (whole request, prefill included)" if speedup is not None else ""), file=sys.stderr)
     for guard_line in guard_lines(engines[0]):  # its rates are decode steps' only, warm-up included
         print(guard_line + " [decode steps, warm-up included]", file=sys.stderr)
-    report_tokens = min(REPORT_TOKENS, engines[0].max_model_len)  # a request the model can hold
-    print("\n".join(cache_report_lines(engines[0].cache_report(report_tokens))), file=sys.stderr)
+    engine = engines[0]
+    report_tokens = min(REPORT_TOKENS, engine.max_model_len)  # a request the model can hold
+    print("\n".join(cache_report_lines(engine.cache_report(report_tokens))), file=sys.stderr)
+    window = engine.target.config.max_position_embeddings
+    if window > report_tokens:  # and one of the model's whole window, however long the engine was started for
+        serve = f"; serve it with --max-model-len {window}" if window > engine.max_model_len else ""
+        print(f"{_request_line(engine.cache_report(window))} (the model's whole window{serve})", file=sys.stderr)
     return 0
 
 
