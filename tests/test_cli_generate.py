@@ -133,3 +133,12 @@ def test_thread_calibration_says_so_is_cached_and_can_be_skipped(
         assert "expected a positive integer" in capsys.readouterr().err
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_kv_report_adds_the_models_whole_window(capsys: pytest.CaptureFixture[str]) -> None:
+    """The default pair serves 131,072 positions while the engine starts for 32,768: generate reports a
+    16,384-token request and one of the whole window, saying how to serve it."""
+    assert main(["generate", "def f(x):", "--max-tokens", "2", "--no-compare", "--threads", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "a 16384-token request: target latents" in err
+    assert "a 131072-token request: target latents" in err and "serve it with --max-model-len 131072" in err
