@@ -134,19 +134,20 @@ class DraftLayer(nn.Module):
         """h [B, K, D] block rows; ctx [B, Tc, D] fused context rows (or None) → [B, K, D]."""
         x = self.input_layernorm(h)
         attn = self.self_attn
+        queries = None
         if ctx is None and isinstance(attn, MLAttention):  # the engine's case: latent and queries in one projection
             with scope("attn.proj"):
-                latent, q_nope, q_pe = attn.project(x, *rope_block)
-            with scope("cache"):
-                kv = latent if store is None else store.update(attn.layer_idx, latent)
-            h = h + attn.attend_queries(x, (q_nope, q_pe), kv, mask, absorbed)
+                latent, *queries = attn.project(x, *rope_block)
         else:
             latent = attn.latent(x, *rope_block)
             if ctx is not None:
                 assert rope_ctx is not None
                 latent = torch.cat((attn.latent(ctx, *rope_ctx), latent), 1)  # context rows first
-            with scope("cache"):
-                kv = latent if store is None else store.update(attn.layer_idx, latent)
+        with scope("cache"):
+            kv = latent if store is None else store.update(attn.layer_idx, latent)
+        if queries is not None:
+            h = h + attn.attend_queries(x, tuple(queries), kv, mask, absorbed)
+        else:
             h = h + attn.attend_from_kv(x, *rope_block, kv, mask, absorbed)
         with scope("mlp"):
             return h + self.mlp(self.post_attention_layernorm(h))

@@ -398,11 +398,6 @@ void score_lanes(const float* q, int64_t K, const uint8_t* const* keys, const fl
 // width in 32-element steps, then reduce4's tree; a weighted sum runs over the keys in pairs (s, s+1), s even,
 // in their order. Nothing depends on how many rows share the call.
 
-template <int N>
-inline void score_tile_bf16(const uint16_t* const* keys, int64_t K, const uint16_t* q, float* out) {
-  dots_bf16<N>(keys, K, q, K, out);
-}
-
 // score_lanes' scores from bf16 keys and queries: tiles of up to 4 query rows × 4 keys (past the last key: a zero
 // row), a block of kKeyBlock key rows kept in cache for every query tile
 inline void score_pairs(const float* q, int64_t K, const uint8_t* const* keys, const float* bias, int64_t M,
@@ -427,10 +422,10 @@ inline void score_pairs(const float* q, int64_t K, const uint8_t* const* keys, c
           for (int k = 0; k < 4; ++k) kp[k] = k < nk ? reinterpret_cast<const uint16_t*>(keys[s + k]) : zero.data();
           const uint16_t* qi = qb.data() + i * K;
           switch (nq) {
-            case 1: score_tile_bf16<1>(kp, K, qi, sc); break;
-            case 2: score_tile_bf16<2>(kp, K, qi, sc); break;
-            case 3: score_tile_bf16<3>(kp, K, qi, sc); break;
-            default: score_tile_bf16<4>(kp, K, qi, sc); break;
+            case 1: dots_bf16<1>(kp, K, qi, K, sc); break;
+            case 2: dots_bf16<2>(kp, K, qi, K, sc); break;
+            case 3: dots_bf16<3>(kp, K, qi, K, sc); break;
+            default: dots_bf16<4>(kp, K, qi, K, sc); break;
           }
         }
         for (int j = 0; j < nq; ++j)

@@ -248,18 +248,12 @@ void tiled_rows(const DenseW& W, const float* x, int64_t M, int64_t ldx, float* 
 // tree, whatever the tile. A row with other values keeps the fp32 path. Either way the path is chosen by the row
 // alone, so a row's result never depends on the other rows of the call.
 
-// bf16 bits of an fp32 value, rounded to nearest even (exact for values that are already bf16)
-inline uint16_t bf16_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
+// bf16 bits of fp32 values, rounded to nearest even (exact for values that are already bf16)
 inline void to_bf16(const float* x, int64_t n, uint16_t* out) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
-  for (; i < n; ++i) out[i] = bf16_bits(x[i]);
+  for (; i < n; ++i) out[i] = f_to_bf16(x[i]);
 }
 
 // the four lane sums of a, b, c, d in one fixed tree (lane i + lane i+8, then i+4, then i+2, then i+1)
