@@ -92,3 +92,15 @@ def test_reading_one_requests_keys_in_place_changes_no_token(method, monkeypatch
     in_place, hits = _generate_single(True, method, monkeypatch)
     assert in_place == gathered
     assert hits > 0  # requests one after another reuse freed pages in order: their slots stay consecutive
+
+
+def test_no_empty_rows_opens_only_rows_that_see_no_key():
+    """A padding row that sees no key is given every key (a finite softmax); a mask where every row sees a key is
+    returned as it is (a long chunk's [B, T, S] mask is not copied)."""
+    from dspark.models.layers import no_empty_rows
+
+    mask = torch.tensor([[[True, False, False], [True, True, False], [False, False, False]]])
+    opened = no_empty_rows(mask)
+    assert opened[0, 2].all() and torch.equal(opened[0, :2], mask[0, :2])
+    full = mask[:, :2]
+    assert no_empty_rows(full) is full

@@ -10,6 +10,7 @@ import torch
 from dspark.cache.allocator import BlockManager, PageAllocator
 from dspark.cache.pool import CachePools
 from dspark.config import EngineConfig, SpeculativeConfig
+from dspark.config.runtime import DEFAULT_DRAFT_WINDOW
 from dspark.engine.engine import Engine
 from dspark.engine.request import Request
 from dspark.engine.runner import ModelRunner
@@ -79,7 +80,7 @@ def long_prompts(seed: int, n: int, lo: int = ORIGINAL + 10, hi: int = 4 * ORIGI
     return [torch.randint(4, 96, (ln,), generator=g).tolist() for ln in lengths]
 
 
-@pytest.mark.parametrize("draft_window", [None, 16])
+@pytest.mark.parametrize("draft_window", [0, 16])
 def test_speculative_greedy_beyond_the_original_window(draft_window):
     """Prompts of 74..255 tokens on a pair whose YaRN window is 64 (factor 8), prefilled in chunks of 40 tokens:
     speculative greedy (DSpark and DFlash, 5 drafts) is token for token target-only greedy; a bounded draft
@@ -152,7 +153,7 @@ def test_draft_window_reads_only_the_last_w_context_rows():
 @pytest.mark.parametrize(
     ("cfg", "match"),
     [
-        ({"draft_window": 0}, "draft_window"),
+        ({"draft_window": -1}, "draft_window"),
         ({"draft_window": 2.5}, "draft_window"),
         ({"draft_window": True}, "draft_window"),
         ({"method": "ngram", "draft_window": 64}, "n-gram has none"),
@@ -161,7 +162,9 @@ def test_draft_window_reads_only_the_last_w_context_rows():
 def test_draft_window_is_validated(cfg, match):
     with pytest.raises(ValueError, match=match):
         SpeculativeConfig.from_dict(cfg)
-    assert SpeculativeConfig.from_dict({"draft_window": 256}).draft_window == 256
+    assert SpeculativeConfig.from_dict({"draft_window": 256}).draft_window_rows == 256
+    assert SpeculativeConfig.from_dict({}).draft_window_rows == DEFAULT_DRAFT_WINDOW  # the default window
+    assert SpeculativeConfig.from_dict({"draft_window": 0}).draft_window_rows is None  # the whole context
 
 
 @pytest.mark.parametrize("family", ["mla", "llama-separate-pool"])

@@ -90,10 +90,12 @@ def test_long_chunks_run_in_query_blocks_with_the_same_result(monkeypatch, bias)
 
 @pytest.mark.skipif(native.ops() is None, reason="the native kernels are not built on this machine")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_long_chunks_run_in_query_blocks_bit_for_bit(monkeypatch, dtype):
-    """The native core bounds its scores the same way, and since each query row is computed alone the blocks give
-    the unblocked result bit for bit."""
+@pytest.mark.parametrize("as_bias", [False, True])
+def test_native_long_chunks_run_in_query_blocks_bit_for_bit(monkeypatch, dtype, as_bias):
+    """The native core bounds its scores the same way (a bool mask becomes each block's bias, an additive bias is
+    sliced), and since each query row is computed alone the blocks give the unblocked result bit for bit."""
     import dspark.models.mla as mla
+    from dspark.models.layers import attention_bias
 
     attn, rot = make(False, True, None, True)
     attn = attn.to(dtype)
@@ -101,10 +103,17 @@ def test_native_long_chunks_run_in_query_blocks_bit_for_bit(monkeypatch, dtype):
     pos = torch.arange(23).expand(2, 23) + torch.tensor([[0], [7]])
     cos, sin = rot.cos_sin(pos)
     mask = causal_mask(pos, torch.arange(30).expand(2, 30))
+    mask = attention_bias(mask) if as_bias else mask
     kv = torch.randn(2, 30, attn.cfg.latent_dim).to(dtype)
     sizes = []
     inner = attn._native_block
-    monkeypatch.setattr(attn, "_native_block", lambda ops, x, q, *a: sizes.append(q.shape[1]) or inner(ops, x, q, *a))
+
+    def block(ops, x, q, *a):
+        assert a[-1].shape == (2, 1, q.shape[1], 30)  # the block's own rows of the bias
+        sizes.append(q.shape[1])
+        return inner(ops, x, q, *a)
+
+    monkeypatch.setattr(attn, "_native_block", block)
     with torch.no_grad():
         whole = attn.attend_from_kv(x, cos, sin, kv, mask, absorbed=True)
         monkeypatch.setattr(mla, "SCORE_BLOCK", 2 * 4 * 30 * 5)  # 5 query rows per block

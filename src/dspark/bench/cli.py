@@ -195,7 +195,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--draft-window",
         type=int,
         default=None,
-        help="also run 'dspark-window': dspark with draft_window W (the drafter reads the last W context tokens)",
+        help="also run 'dspark-window': dspark with draft_window W (the drafter reads the last W context tokens; "
+        "0: the whole context; dspark itself runs the default window)",
     )
     p.add_argument(
         "--draft-vocab-size",

@@ -269,7 +269,8 @@ class BenchConfig:
     context_depths: tuple[int, ...] = ()
     context_prompts: int = 4
     context_source: str | None = None  # corpus-format JSONL (default: the committed held-out sources)
-    draft_window: int | None = None  # adds 'dspark-window': dspark with the drafter reading the last W context tokens
+    # adds 'dspark-window': dspark with draft_window W (the last W context tokens; 0: all of them)
+    draft_window: int | None = None
     draft_vocab_size: int | None = None  # adds 'dspark-vocab': dspark with draft_vocab_size N (0: the full vocabulary)
     dtype: str = EngineConfig.dtype  # "auto": resolved once for the target (dspark.precision); every method runs it
     quantization: str = EngineConfig.quantization  # our engines' target weights; the peers run dense
@@ -292,8 +293,11 @@ class BenchConfig:
             raise ConfigError(f"bench: --context-depths must be positive token counts, got {list(self.context_depths)}")
         if self.max_tokens < 1:
             raise ConfigError(f"bench: --max-tokens must be >= 1, got {self.max_tokens}")
-        if self.draft_window is not None and self.draft_window < 1:
-            raise ConfigError(f"bench: --draft-window must be a positive token count, got {self.draft_window}")
+        if self.draft_window is not None and self.draft_window < 0:
+            raise ConfigError(
+                "bench: --draft-window must be 0 (the whole context) or a positive token count, "
+                f"got {self.draft_window}"
+            )
         if "dspark-window" in (self.baselines or ()) and self.draft_window is None:
             raise ConfigError("bench: method 'dspark-window' needs --draft-window W")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 0:

@@ -19,6 +19,9 @@ from dspark.config.common import ConfigError, ConfigKeys, fail, positive
 
 SPEC_METHODS = ("dspark", "dflash", "ngram")
 DRAFT_QUANTIZATIONS = ("auto", "q8_0", "none")  # SpeculativeConfig.quantization: the drafter's linears
+# SpeculativeConfig.draft_window's default: the drafters' block rows read this many context rows at most (the
+# bundled pairs' τ held with it at every measured depth, and a drafter reading 32K rows costs more than it saves)
+DEFAULT_DRAFT_WINDOW = 2048
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,9 @@ class SpeculativeConfig:
     calibration_path: str | None = None
     cost_table_path: str | None = None
     min_verify_len: int = 0
-    draft_window: int | None = None  # drafter attends to the last W context tokens (the target to all); None: all
+    # the drafter attends to the last W context tokens (the target to all of them): lossless whatever W, and it
+    # bounds the drafter's cost at depth; null: DEFAULT_DRAFT_WINDOW; 0: the whole context
+    draft_window: int | None = None
     # drafts only from the N most frequent tokens of the drafter's draft_vocab.json (EAGLE-3's reduced draft vocab);
     # None: the file's default_size (full vocabulary without the file); 0: full vocabulary
     draft_vocab_size: int | None = None
@@ -87,7 +92,7 @@ class SpeculativeConfig:
     def _check_drafter_keys(self, src: str) -> None:
         """draft_window and draft_vocab_size: null or integers in range, and only for methods with a drafter."""
         for key, low, fix in (
-            ("draft_window", 1, "must be null or a positive integer (context tokens)"),
+            ("draft_window", 0, "must be null, 0 (the whole context) or a positive number of context tokens"),
             ("draft_vocab_size", 0, "must be null, 0 (the full vocabulary) or a positive number of draft tokens"),
         ):
             value = getattr(self, key)
@@ -97,6 +102,12 @@ class SpeculativeConfig:
                 raise fail(src, key, value, fix)
             if value and self.method == "ngram":
                 raise fail(src, key, value, "applies to a drafter; n-gram has none")
+
+    @property
+    def draft_window_rows(self) -> int | None:
+        """The context rows the drafter reads at most (None: all of them)."""
+        window = DEFAULT_DRAFT_WINDOW if self.draft_window is None else self.draft_window
+        return window or None
 
     @property
     def draft_attention_backend(self) -> str | None:

@@ -206,7 +206,7 @@ class Engine:
         )
         spec = target.state_spec  # per-request recurrent state (KDA): one slot per running request
         self.states = StatePool(spec, self.cfg.max_num_seqs) if spec is not None else None
-        window = self.spec.draft_window if self.spec is not None else None
+        window = self.spec.draft_window_rows if self.spec is not None else None
         self.runner = ModelRunner(target, self.drafter, self.blocks, self.pools, self.states, window)
         self.prefix = PrefixCaching(cache, self.blocks, self.runner, ccfg) if cache is not None else None
         if self.drafter is not None:

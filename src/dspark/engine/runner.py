@@ -227,8 +227,8 @@ class ModelRunner:
             starts = [r.num_computed for r in reqs]
             anchors = torch.tensor([r.all_ids[s] for r, s in zip(reqs, starts)], dtype=torch.long)
             positions = torch.tensor(starts, dtype=torch.long)
-            if self.draft_window is None:
-                read, rows = self.context_slots(reqs, starts), positions
+            if self.draft_window is None or max(starts, default=0) <= self.draft_window:
+                read, rows = self.context_slots(reqs, starts), positions  # (a window that holds it all)
             else:
                 read, rows = self.window_slots(reqs, positions, self.draft_window)
             assert self.draft_pool is not None

@@ -255,8 +255,10 @@ def causal_mask(q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.T
 
 
 def no_empty_rows(mask: torch.Tensor) -> torch.Tensor:
-    """Padding query rows that see no key get to see every key (their output is ignored), so softmax is finite."""
-    return mask | ~mask.any(-1, keepdim=True)
+    """Padding query rows that see no key get to see every key (their output is ignored), so softmax is finite.
+    ``mask`` itself when every row sees a key (no second [B, T, S] mask for a long prefill chunk)."""
+    empty = ~mask.any(-1, keepdim=True)
+    return mask | empty if bool(empty.any()) else mask
 
 
 def attention_bias(mask: torch.Tensor) -> torch.Tensor:

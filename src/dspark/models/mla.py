@@ -327,14 +327,18 @@ class MLAttention(nn.Module, Packable):
             or not all(type(m) is Linear and m.weight.dtype == dtype and m.weight.device.type == "cpu" for m in linears)
         ):
             return None
-        bias = attention_bias(mask)
-        if bias.dtype != torch.float32 or bias.shape != (B, 1, T, kv.shape[1]):
+        S = kv.shape[1]
+        # a bool mask becomes its bias block by block: a long prefill chunk's whole [T, S] bias (256 MiB for 2,048
+        # rows over 32K keys, per layer) would be mapped and zeroed by the kernel each time
+        wide = mask.shape == (B, T, S) if mask.dtype == torch.bool else mask.shape == (B, 1, T, S)
+        if not wide or mask.dtype not in (torch.bool, torch.float32):
             return None
         kv = same_dtype(kv, dtype)
-        rows = max(1, SCORE_BLOCK // max(1, B * H * kv.shape[1]))
+        rows = max(1, SCORE_BLOCK // max(1, B * H * S))
         parts = [
             self._native_block(ops, x[:, i : i + rows], q_nope[:, i : i + rows], q_pe[:, i : i + rows], kv,
-                               bias[:, :, i : i + rows])
+                               attention_bias(mask[:, i : i + rows]) if mask.dtype == torch.bool
+                               else mask[:, :, i : i + rows])
             for i in range(0, T, rows)
         ]  # fmt: skip
         return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
