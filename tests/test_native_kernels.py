@@ -393,3 +393,22 @@ def test_dense_linear_is_near_f_linear_and_each_row_alone(dtype, k):
     for m in (1, 2, 3, 5, 8):
         for r in range(0, 13, m):
             assert torch.equal(ops().dense_linear(x[r : r + m], w, None), y[r : r + m]), (m, r)
+    for m in (9, 13):  # past a tile of 8 rows
+        assert torch.equal(ops().dense_linear(x[:m], w, None), y[:m]), m
+
+
+@needs_native
+def test_dense_weights_written_in_place_are_read_again():
+    """bf16 products run on a packed copy of the weight made on first use: an in-place write to the weight (its
+    version changes), and a new weight at a new address, are what the next product reads."""
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(40, 48, generator=g) * 0.1).bfloat16()
+    x = torch.randn(3, 48, generator=g).bfloat16()
+    first = ops().dense_linear(x, w, None)
+    with torch.no_grad():
+        w.mul_(2)
+    torch.testing.assert_close(ops().dense_linear(x, w, None), 2 * first, rtol=1e-2, atol=1e-2)
+    w2 = w.clone()
+    with torch.no_grad():
+        w2[:, :7] = 0
+    torch.testing.assert_close(ops().dense_linear(x, w2, None).float(), x.float() @ w2.float().T, rtol=2e-2, atol=2e-2)

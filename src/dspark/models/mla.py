@@ -112,7 +112,7 @@ class MLAttention(nn.Module, Packable):
         # fp32 (the bit-exact reference) keeps two GEMMs: one wider GEMM may round a few outputs differently
         fused = None if torch.is_grad_enabled() or x.dtype == torch.float32 else self._linked_xproj()
         if fused is None:
-            return self.latent(x, cos, sin), *self.query(x, cos, sin)
+            return self._module_latent(x, cos, sin), *self.query(x, cos, sin)
         B, T, _ = x.shape
         cfg, H = self.cfg, self.cfg.num_heads
         first = self._x_projections()[0].out_features
@@ -153,7 +153,12 @@ class MLAttention(nn.Module, Packable):
         )  # fmt: skip
 
     def latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [B, T, D] → cached latent [B, T, C+R] = [kv_a_layernorm(c_kv) | rope(k_pe)]."""
+        """x [B, T, D] → cached latent [B, T, C+R] = [kv_a_layernorm(c_kv) | rope(k_pe)]; in inference the native
+        projection's (one call, as ``project``; its queries go unused)."""
+        native_out = self._native_project(x, cos, sin)
+        return self._module_latent(x, cos, sin) if native_out is None else native_out[0]
+
+    def _module_latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], -1)
         if not self.cfg.use_nope:
             k_pe = apply_rope(k_pe, cos, sin, self.cfg.rope.interleave)

@@ -11,11 +11,15 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
+#include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include "quant_blocks.h"
@@ -28,6 +32,7 @@ struct DenseW {
   const void* p = nullptr;  // [N, K] row-major, contiguous
   WType t = WType::F32;
   int64_t N = 0, K = 0;
+  const uint32_t* pk = nullptr;  // bf16 weights with pair products: the same rows packed (pairs_of)
 };
 
 inline WType wtype_of(const at::Tensor& t, const char* what) {
@@ -37,13 +42,6 @@ inline WType wtype_of(const at::Tensor& t, const char* what) {
     case at::kHalf: return WType::F16;
     default: TORCH_CHECK(false, what, ": weights must be float32, bfloat16 or float16, got ", t.scalar_type());
   }
-}
-
-// A contiguous 2-D weight [N, K] (K = in_features) as rows for dense_rows.
-inline DenseW dense_of(const at::Tensor& w, const char* what) {
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), what, ": weight must be a contiguous CPU [N, K],",
-              " got ", w.sizes());
-  return DenseW{w.data_ptr(), wtype_of(w, what), w.size(0), w.size(1)};
 }
 
 inline float bf16_to_f(uint16_t h) {
@@ -244,9 +242,10 @@ void tiled_rows(const DenseW& W, const float* x, int64_t M, int64_t ldx, float* 
 #define DSPARK_BF16_PAIRS 1
 // bf16 weights on CPUs with AVX-512 BF16: a row of x whose values are all bf16 (what a bf16 module path multiplies)
 // goes through bf16 pair products (vdpbf16ps: two bf16 products added in fp32, then added to an fp32 lane), half
-// the instructions of widened fp32 FMAs. Each output is 16 lane chains over k in 32-element steps, then reduce4's
-// tree, whatever the tile. A row with other values keeps the fp32 path. Either way the path is chosen by the row
-// alone, so a row's result never depends on the other rows of the call.
+// the instructions of widened fp32 FMAs, on a packed copy of the weight (pair_rows below). A row with other values
+// keeps the fp32 path. Either way the path is chosen by the row alone, so a row's result never depends on the other
+// rows of the call. dots_bf16 (attention scores over rows read in place) sums each output as 16 lane chains over k
+// in 32-element steps, then reduce4's tree, whatever the tile.
 
 // bf16 bits of fp32 values, rounded to nearest even (exact for values that are already bf16)
 inline void to_bf16(const float* x, int64_t n, uint16_t* out) {
@@ -285,35 +284,99 @@ inline void dots_bf16(const uint16_t* const* keys, int64_t K, const uint16_t* q,
   for (int j = 0; j < N; ++j) _mm_storeu_ps(out + 4 * j, reduce4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]));
 }
 
-// y[m·ldy + i] for N bf16 x rows (stride K) × the 4 weight rows at n (past n1: a zero row)
-template <int N>
-inline void pair_tile(const uint16_t* const* w, int64_t K, const uint16_t* xb, float* y, int64_t ldy, int nw) {
-  float out[16];
-  dots_bf16<N>(w, K, xb, K, out);
-  for (int j = 0; j < N; ++j)
-    for (int i = 0; i < nw; ++i) y[j * ldy + i] = out[4 * j + i];
+// Dense products of bf16 weights run on a packed copy of the weight: for each block of 16 output rows and each pair
+// of inputs (2t, 2t+1), one vector whose lane i holds (W[16b+i, 2t], W[16b+i, 2t+1]) (zeros past N and K). The 16
+// outputs of a block are then one vector chain over the pairs in order (x's pair broadcast, times the block's
+// vector): no lane reduction, and a tile of up to 8 x rows reads each weight vector once. Each output is that one
+// chain whatever the number of rows, the tile or the thread split.
+inline int64_t pair_blocks(int64_t N) { return (N + 15) / 16; }
+inline int64_t pair_steps(int64_t K) { return (K + 1) / 2; }
+
+// the packed copy of a contiguous bf16 [.., N, K] tensor: every [N, K] matrix, one after the other
+inline at::Tensor pack_pairs(const at::Tensor& w) {
+  const int64_t N = w.size(-2), K = w.size(-1), mats = N * K == 0 ? 0 : w.numel() / (N * K);
+  const int64_t NB = pair_blocks(N), K2 = pair_steps(K);
+  at::Tensor out = at::zeros({std::max<int64_t>(1, mats * NB * K2 * 16)}, w.options().dtype(at::kInt));
+  auto* o = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
+  const auto* src = static_cast<const uint16_t*>(w.data_ptr());
+  for (int64_t mat = 0; mat < mats; ++mat)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k)
+        o[((mat * NB + n / 16) * K2 + k / 2) * 16 + n % 16] |= uint32_t(src[(mat * N + n) * K + k]) << (16 * (k % 2));
+  return out;
 }
 
-// y[m, n] for n0 <= n < n1 from bf16 rows xb [M, K]: 4 weight rows against every x row (in tiles of 4)
-inline void pair_rows(const DenseW& W, const uint16_t* xb, int64_t M, float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  const int64_t K = W.K;
-  thread_local std::vector<uint16_t> zero;
-  zero.assign(K, 0);
-  const auto* base = static_cast<const uint16_t*>(W.p);
-  for (int64_t n = n0; n < n1; n += 4) {
-    const int nw = static_cast<int>(std::min<int64_t>(4, n1 - n));
-    const uint16_t* w[4];
-    for (int i = 0; i < 4; ++i) w[i] = i < nw ? base + (n + i) * K : zero.data();
-    for (int64_t m = 0; m < M; m += 4) {
-      float* ym = y + m * ldy + n;
-      const uint16_t* xm = xb + m * K;
-      switch (std::min<int64_t>(4, M - m)) {
-        case 1: pair_tile<1>(w, K, xm, ym, ldy, nw); break;
-        case 2: pair_tile<2>(w, K, xm, ym, ldy, nw); break;
-        case 3: pair_tile<3>(w, K, xm, ym, ldy, nw); break;
-        default: pair_tile<4>(w, K, xm, ym, ldy, nw); break;
-      }
+// pack_pairs(w), made once per weight: the entry holds the weight, so no other tensor can take its address while the
+// copy is kept; an in-place write bumps the weight's version and the copy is made again. Entries whose weight only
+// the cache still holds (its model is gone) are dropped whenever a new one is made.
+inline const uint32_t* pairs_of(const at::Tensor& w) {
+  struct Entry {
+    at::Tensor src;
+    int64_t version;
+    at::Tensor packed;
+  };
+  static std::mutex mu;
+  static std::unordered_map<const void*, Entry> cache;
+  const int64_t version = w.is_inference() ? -1 : static_cast<int64_t>(w._version());
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(w.data_ptr());
+  if (it != cache.end() && it->second.version == version && it->second.src.sizes() == w.sizes())
+    return reinterpret_cast<const uint32_t*>(it->second.packed.data_ptr<int32_t>());
+  for (auto e = cache.begin(); e != cache.end();) e = e->second.src.use_count() == 1 ? cache.erase(e) : std::next(e);
+  Entry& entry = cache[w.data_ptr()] = Entry{w, version, pack_pairs(w)};
+  return reinterpret_cast<const uint32_t*>(entry.packed.data_ptr<int32_t>());
+}
+
+// y[j·ldy + 16·b + i] for MT x rows (bf16 pairs xp [MT, K2]) and NB blocks of 16 outputs (cols valid columns from
+// the first block's start)
+template <int MT, int NB>
+inline void pair_tile(const uint32_t* pk, int64_t K2, const uint32_t* xp, float* y, int64_t ldy, int64_t cols) {
+  __m512 acc[MT][NB];
+  for (int j = 0; j < MT; ++j)
+    for (int b = 0; b < NB; ++b) acc[j][b] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < K2; ++t) {
+    __m512bh w[NB];
+    for (int b = 0; b < NB; ++b) w[b] = (__m512bh)_mm512_loadu_si512(pk + (b * K2 + t) * 16);
+    for (int j = 0; j < MT; ++j) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[j * K2 + t]));
+      for (int b = 0; b < NB; ++b) acc[j][b] = _mm512_dpbf16_ps(acc[j][b], w[b], x);
     }
+  }
+  for (int b = 0; b < NB; ++b) {
+    const int64_t left = std::min<int64_t>(16, cols - 16 * b);
+    const __mmask16 m = left >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    for (int j = 0; j < MT; ++j) _mm512_mask_storeu_ps(y + j * ldy + 16 * b, m, acc[j][b]);
+  }
+}
+
+template <int NB>
+inline void pair_tiles(const uint32_t* pk, int64_t K2, const uint32_t* xp, int64_t M, float* y, int64_t ldy,
+                       int64_t cols) {
+  for (int64_t m = 0; m < M; m += 8) {
+    const uint32_t* xm = xp + m * K2;
+    float* ym = y + m * ldy;
+    switch (std::min<int64_t>(8, M - m)) {
+      case 1: pair_tile<1, NB>(pk, K2, xm, ym, ldy, cols); break;
+      case 2: pair_tile<2, NB>(pk, K2, xm, ym, ldy, cols); break;
+      case 3: pair_tile<3, NB>(pk, K2, xm, ym, ldy, cols); break;
+      case 4: pair_tile<4, NB>(pk, K2, xm, ym, ldy, cols); break;
+      case 5: pair_tile<5, NB>(pk, K2, xm, ym, ldy, cols); break;
+      case 6: pair_tile<6, NB>(pk, K2, xm, ym, ldy, cols); break;
+      case 7: pair_tile<7, NB>(pk, K2, xm, ym, ldy, cols); break;
+      default: pair_tile<8, NB>(pk, K2, xm, ym, ldy, cols); break;
+    }
+  }
+}
+
+// y[m, n] for the output blocks b0 <= b < b1 from bf16 pair rows xp [M, K2], two blocks at a time
+inline void pair_rows(const DenseW& W, const uint32_t* xp, int64_t M, float* y, int64_t ldy, int64_t b0, int64_t b1) {
+  const int64_t K2 = pair_steps(W.K);
+  for (int64_t b = b0; b < b1; b += 2) {
+    const uint32_t* pk = W.pk + b * K2 * 16;
+    if (b + 1 < b1)
+      pair_tiles<2>(pk, K2, xp, M, y + 16 * b, ldy, W.N - 16 * b);
+    else
+      pair_tiles<1>(pk, K2, xp, M, y + 16 * b, ldy, W.N - 16 * b);
   }
 }
 
@@ -331,26 +394,49 @@ inline bool bf16_valued(const float* x, int64_t K) {
 }
 #endif
 
+// A contiguous 2-D weight [N, K] (K = in_features) as rows for dense_rows.
+inline DenseW dense_of(const at::Tensor& w, const char* what) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), what, ": weight must be a contiguous CPU [N, K],",
+              " got ", w.sizes());
+  DenseW W{w.data_ptr(), wtype_of(w, what), w.size(0), w.size(1)};
+#if defined(DSPARK_BF16_PAIRS)
+  if (W.t == WType::BF16) W.pk = pairs_of(w);
+#endif
+  return W;
+}
+
+// matrix e of a contiguous [E, N, K] weight stack (experts, heads) as rows for dense_rows
+inline DenseW dense_entry(const at::Tensor& stack, int64_t e, const char* what) {
+  TORCH_CHECK(stack.dim() == 3 && stack.is_contiguous() && stack.device().is_cpu() && e >= 0 && e < stack.size(0),
+              what, ": weights must be a contiguous CPU [E, N, K], got ", stack.sizes());
+  const int64_t N = stack.size(1), K = stack.size(2);
+  DenseW W{static_cast<const uint8_t*>(stack.data_ptr()) + e * N * K * stack.element_size(), wtype_of(stack, what), N, K};
+#if defined(DSPARK_BF16_PAIRS)
+  if (W.t == WType::BF16) W.pk = pairs_of(stack) + e * pair_blocks(N) * pair_steps(K) * 16;
+#endif
+  return W;
+}
+
 // y[m, n] (row stride ldy) = Σ_k x[m, k] (row stride ldx) · W[n, k], for m < M; rows of W split across threads.
 // Every output is one dot_row, whatever M, the thread count and the split: a row's result never depends on the
 // other rows of the call (the batch-invariance the lossless check and prefix caching rely on).
 inline void dense_rows(const DenseW& W, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy) {
   if (M == 0 || W.N == 0) return;
 #if defined(DSPARK_BF16_PAIRS)
-  if (W.t == WType::BF16) {  // rows of bf16 values by pair products, the others below, each row by itself
+  if (W.t == WType::BF16 && W.pk != nullptr) {  // rows of bf16 values by pair products, the others below, each alone
     std::vector<int64_t> pairs, rest;
     for (int64_t m = 0; m < M; ++m) (bf16_valued(x + m * ldx, W.K) ? pairs : rest).push_back(m);
     if (!pairs.empty()) {
-      const int64_t P = static_cast<int64_t>(pairs.size()), K = W.K;
-      std::vector<uint16_t> xb(P * K);
-      for (int64_t i = 0; i < P; ++i) to_bf16(x + pairs[i] * ldx, K, xb.data() + i * K);
+      const int64_t P = static_cast<int64_t>(pairs.size()), K = W.K, K2 = pair_steps(K);
+      std::vector<uint32_t> xp(P * K2, 0u);
+      for (int64_t i = 0; i < P; ++i) to_bf16(x + pairs[i] * ldx, K, reinterpret_cast<uint16_t*>(xp.data() + i * K2));
       const bool direct = P == M;  // every row: straight into y
       std::vector<float> yb(direct ? 0 : P * W.N);
       float* out = direct ? y : yb.data();
       const int64_t ldo = direct ? ldy : W.N;
-      const int64_t grain = std::max<int64_t>(4, (int64_t(1) << 16) / std::max<int64_t>(1, K * P)) / 4 * 4;
-      at::parallel_for(0, (W.N + 3) / 4, std::max<int64_t>(1, grain / 4), [&](int64_t b0, int64_t b1) {
-        pair_rows(W, xb.data(), P, out, ldo, 4 * b0, std::min(W.N, 4 * b1));
+      const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 13) / std::max<int64_t>(1, K2 * P));
+      at::parallel_for(0, pair_blocks(W.N), grain, [&](int64_t b0, int64_t b1) {
+        pair_rows(W, xp.data(), P, out, ldo, b0, b1);
       });
       if (direct) return;
       for (int64_t i = 0; i < P; ++i) std::copy(yb.data() + i * W.N, yb.data() + (i + 1) * W.N, y + pairs[i] * ldy);

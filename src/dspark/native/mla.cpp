@@ -37,13 +37,6 @@ namespace {
 
 using OptT = std::optional<at::Tensor>;
 
-// one head's block of a [H, N, K] weight as dense rows
-DenseW head_rows(const at::Tensor& w, int64_t h) {
-  const int64_t N = w.size(1), K = w.size(2);
-  const int64_t esize = w.scalar_type() == at::kFloat ? 4 : 2;
-  return DenseW{static_cast<const uint8_t*>(w.data_ptr()) + h * N * K * esize, wtype_of(w, "mla_attend"), N, K};
-}
-
 at::Tensor mla_attend(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& kv_in,
                       const at::Tensor& bias_in, const at::Tensor& w_uk_t, const at::Tensor& w_uv, double scale,
                       const OptT& gate_x, const OptT& g_proj, const at::Tensor& o_proj, const OptT& o_bias) {
@@ -80,7 +73,8 @@ at::Tensor mla_attend(const at::Tensor& q_nope, const at::Tensor& q_pe, const at
 
   // q = [q_nope·W_UK | q_pe] per head: [BT, H, W]
   std::vector<float> q(BT * H * W);
-  for (int64_t h = 0; h < H; ++h) dense_rows(head_rows(w_uk_t, h), qn_p + h * Dn, BT, H * Dn, q.data() + h * W, H * W);
+  for (int64_t h = 0; h < H; ++h)
+    dense_rows(dense_entry(w_uk_t, h, "mla_attend w_uk_t"), qn_p + h * Dn, BT, H * Dn, q.data() + h * W, H * W);
   for (int64_t r = 0; r < BT * H; ++r) {
     round_all(q.data() + r * W, C, md);
     std::memcpy(q.data() + r * W + C, qp_p + r * R, R * sizeof(float));
@@ -111,7 +105,7 @@ at::Tensor mla_attend(const at::Tensor& q_nope, const at::Tensor& q_pe, const at
   // out = o_lat·W_UVᵀ per head: [BT, H·Dv]
   std::vector<float> out(BT * H * Dv);
   for (int64_t h = 0; h < H; ++h)
-    dense_rows(head_rows(w_uv, h), o_lat.data() + h * C, BT, H * C, out.data() + h * Dv, H * Dv);
+    dense_rows(dense_entry(w_uv, h, "mla_attend w_uv"), o_lat.data() + h * C, BT, H * C, out.data() + h * Dv, H * Dv);
   round_all(out.data(), BT * H * Dv, md);
 
   if (g_proj.has_value()) {  // out · sigmoid(g_proj(x)), each step rounded as its tensor

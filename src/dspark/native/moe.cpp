@@ -144,12 +144,6 @@ struct Router {
   }
 };
 
-DenseW stack_entry(const at::Tensor& stack, int64_t e) {
-  DenseW W{nullptr, wtype_of(stack, "moe_rows: expert stack"), stack.size(1), stack.size(2)};
-  W.p = static_cast<const uint8_t*>(stack.data_ptr()) + e * stack.stride(0) * stack.element_size();
-  return W;
-}
-
 at::Tensor moe_rows(const at::Tensor& x_in, const at::Tensor& router, const OptT& bias, int64_t top_k, bool softmax,
                     bool norm_topk, double scaling, int64_t n_group, int64_t topk_group, int64_t group_mode,
                     const at::Tensor& gate_up, const at::Tensor& down,
@@ -229,7 +223,8 @@ at::Tensor moe_rows(const at::Tensor& x_in, const at::Tensor& router, const OptT
     rows.resize(M * W);
     y.resize(M * W);
     for (int64_t r = 0; r < M; ++r) std::memcpy(rows.data() + r * W, inp + who[r] * W, sizeof(float) * W);
-    glu_rows(stack_entry(gate_up, e), stack_entry(down, e), rows.data(), M, act, y.data(), gu, h);
+    glu_rows(dense_entry(gate_up, e, "moe_rows: gate_up"), dense_entry(down, e, "moe_rows: down"), rows.data(), M, act,
+             y.data(), gu, h);
     for (int64_t r = 0; r < M; ++r) {
       float* a = acc.data() + who[r] * W;
       const float* yr = y.data() + r * W;
