@@ -482,8 +482,11 @@ inline void weighted_pairs(const float* p, int64_t M, int64_t S, const uint8_t* 
   thread_local std::vector<uint32_t> pb;
   thread_local std::vector<float> acc;
   thread_local std::vector<uint16_t> zero;
-  pb.assign(M * S2, 0u);
-  for (int64_t i = 0; i < M; ++i) to_bf16(p + i * S, S, reinterpret_cast<uint16_t*>(pb.data() + i * S2));
+  pb.resize(M * S2);
+  for (int64_t i = 0; i < M; ++i) {
+    pb[i * S2 + S2 - 1] = 0u;  // an odd S leaves the last pair's second half 0
+    to_bf16(p + i * S, S, reinterpret_cast<uint16_t*>(pb.data() + i * S2));
+  }
   acc.assign(M * Cp, 0.f);
   zero.assign(Cp, 0);
   const auto* const* values = reinterpret_cast<const uint16_t* const*>(values_in);

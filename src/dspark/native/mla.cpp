@@ -88,8 +88,10 @@ at::Tensor mla_attend(const at::Tensor& q_nope, const at::Tensor& q_pe, const at
   const float sc = static_cast<float>(scale);
   const int64_t M = T * H;
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> p(M * S);
-    std::vector<const uint8_t*> rows(S);
+    thread_local std::vector<float> p;  // every score is written before it is read: kept, never zeroed, between calls
+    thread_local std::vector<const uint8_t*> rows;
+    p.resize(M * S);
+    rows.resize(S);
     for (int64_t b = b0; b < b1; ++b) {
       const float* qb = q.data() + b * M * W;
       const uint8_t* kvb = kv_p + b * S * W * esize;
