@@ -31,7 +31,8 @@ from dspark.models.packing import Linear, Packable, PackedWeight, packed_linear,
 from dspark.models.rope import apply_rope
 from dspark.profiling import scope
 
-SCORE_BLOCK = 1 << 21  # fp32 attention scores per block of query rows in absorbed prefill (8 MiB)
+SCORE_BLOCK = 1 << 23  # fp32 attention scores per block of query rows in absorbed prefill (32 MiB: 128 rows of
+# 2 heads over 32K keys; a block reads every key once, so 4x the rows of 8 MiB blocks cut a 32K prefill 61 -> 57 s)
 # inference runs every row count through the native kernels (mla_project, mla_attend), each query row alone: a row's
 # result then depends only on its own inputs, never on the chunk it is prefilled in, where a cached prefix ends or
 # what shares the batch (docs/performance.md, "Invariance"). The modules stay the reference, training's path and the

@@ -272,8 +272,17 @@ inline void dots_bf16(const uint16_t* const* keys, int64_t K, const uint16_t* q,
   __m512 acc[N][4];
   for (int j = 0; j < N; ++j)
     for (int k = 0; k < 4; ++k) acc[j][k] = _mm512_setzero_ps();
-  for (int64_t w = 0; w < K; w += 32) {
-    const __mmask32 m = K - w >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1u << (K - w)) - 1);
+  int64_t w = 0;
+  for (; w + 32 <= K; w += 32) {  // whole 32-element steps: plain loads
+    __m512bh kv[4];
+    for (int k = 0; k < 4; ++k) kv[k] = (__m512bh)_mm512_loadu_si512(keys[k] + w);
+    for (int j = 0; j < N; ++j) {
+      const __m512bh x = (__m512bh)_mm512_loadu_si512(q + j * ldq + w);
+      for (int k = 0; k < 4; ++k) acc[j][k] = _mm512_dpbf16_ps(acc[j][k], kv[k], x);
+    }
+  }
+  if (w < K) {  // the tail, zeros past K (the same step as a masked one)
+    const __mmask32 m = static_cast<__mmask32>((1u << (K - w)) - 1);
     __m512bh kv[4];
     for (int k = 0; k < 4; ++k) kv[k] = (__m512bh)_mm512_maskz_loadu_epi16(m, keys[k] + w);
     for (int j = 0; j < N; ++j) {
