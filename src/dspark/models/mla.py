@@ -135,8 +135,8 @@ class MLAttention(nn.Module, Packable):
         rotations and roundings, each row alone) for inference; None where it does not apply (no native kernels,
         grad mode, quantized, biased or mixed-dtype weights)."""
         ops = native.inference_ops()
-        if ops is None or not NATIVE_INFERENCE or x.dtype not in NATIVE_DTYPES:
-            return None
+        if ops is None or not NATIVE_INFERENCE or x.dtype not in NATIVE_DTYPES or cos.shape[:2] != x.shape[:2]:
+            return None  # (positions broadcast over the batch: the module path)
         cfg = self.cfg
         lora = cfg.q_lora_rank is not None
         linears = (self.kv_a_proj_with_mqa, *((self.q_a_proj, self.q_b_proj) if lora else (self.q_proj,)))
