@@ -358,34 +358,31 @@ inline void pair_tile(const uint32_t* pk, int64_t K2, const uint32_t* xp, float*
   }
 }
 
-template <int NB>
-inline void pair_tiles(const uint32_t* pk, int64_t K2, const uint32_t* xp, int64_t M, float* y, int64_t ldy,
-                       int64_t cols) {
+// tiles of MT <= 8 rows × NB blocks; few rows take more blocks a tile, so that enough chains are in flight
+template <int MT>
+inline void pair_blocks_of(const uint32_t* pk, int64_t K2, const uint32_t* xm, float* ym, int64_t ldy, int64_t N,
+                           int64_t b, int64_t b1) {
+  constexpr int NB = MT <= 2 ? 8 : MT <= 4 ? 4 : 2;
+  for (; b + NB <= b1; b += NB) pair_tile<MT, NB>(pk + b * K2 * 16, K2, xm, ym + 16 * b, ldy, N - 16 * b);
+  for (; b < b1; ++b) pair_tile<MT, 1>(pk + b * K2 * 16, K2, xm, ym + 16 * b, ldy, N - 16 * b);
+}
+
+// y[m, n] for the output blocks b0 <= b < b1 from bf16 pair rows xp [M, K2], 8 rows at a time
+inline void pair_rows(const DenseW& W, const uint32_t* xp, int64_t M, float* y, int64_t ldy, int64_t b0, int64_t b1) {
+  const int64_t K2 = pair_steps(W.K);
   for (int64_t m = 0; m < M; m += 8) {
     const uint32_t* xm = xp + m * K2;
     float* ym = y + m * ldy;
     switch (std::min<int64_t>(8, M - m)) {
-      case 1: pair_tile<1, NB>(pk, K2, xm, ym, ldy, cols); break;
-      case 2: pair_tile<2, NB>(pk, K2, xm, ym, ldy, cols); break;
-      case 3: pair_tile<3, NB>(pk, K2, xm, ym, ldy, cols); break;
-      case 4: pair_tile<4, NB>(pk, K2, xm, ym, ldy, cols); break;
-      case 5: pair_tile<5, NB>(pk, K2, xm, ym, ldy, cols); break;
-      case 6: pair_tile<6, NB>(pk, K2, xm, ym, ldy, cols); break;
-      case 7: pair_tile<7, NB>(pk, K2, xm, ym, ldy, cols); break;
-      default: pair_tile<8, NB>(pk, K2, xm, ym, ldy, cols); break;
+      case 1: pair_blocks_of<1>(W.pk, K2, xm, ym, ldy, W.N, b0, b1); break;
+      case 2: pair_blocks_of<2>(W.pk, K2, xm, ym, ldy, W.N, b0, b1); break;
+      case 3: pair_blocks_of<3>(W.pk, K2, xm, ym, ldy, W.N, b0, b1); break;
+      case 4: pair_blocks_of<4>(W.pk, K2, xm, ym, ldy, W.N, b0, b1); break;
+      case 5: pair_blocks_of<5>(W.pk, K2, xm, ym, ldy, W.N, b0, b1); break;
+      case 6: pair_blocks_of<6>(W.pk, K2, xm, ym, ldy, W.N, b0, b1); break;
+      case 7: pair_blocks_of<7>(W.pk, K2, xm, ym, ldy, W.N, b0, b1); break;
+      default: pair_blocks_of<8>(W.pk, K2, xm, ym, ldy, W.N, b0, b1); break;
     }
-  }
-}
-
-// y[m, n] for the output blocks b0 <= b < b1 from bf16 pair rows xp [M, K2], two blocks at a time
-inline void pair_rows(const DenseW& W, const uint32_t* xp, int64_t M, float* y, int64_t ldy, int64_t b0, int64_t b1) {
-  const int64_t K2 = pair_steps(W.K);
-  for (int64_t b = b0; b < b1; b += 2) {
-    const uint32_t* pk = W.pk + b * K2 * 16;
-    if (b + 1 < b1)
-      pair_tiles<2>(pk, K2, xp, M, y + 16 * b, ldy, W.N - 16 * b);
-    else
-      pair_tiles<1>(pk, K2, xp, M, y + 16 * b, ldy, W.N - 16 * b);
   }
 }
 
