@@ -1,6 +1,6 @@
 """The native Markov greedy loop (``markov_greedy``, dspark/native/markov.cpp) against the head's serial path: the
 same drafts for every request of a batch, over the full vocabulary and a reduced one, in fp32, in bf16, and for an
-fp32 W2 that holds only bf16 values (served from a bf16 transposed copy); ties go to the first index, as
+fp32 W2 that holds only bf16 values (served from a bf16 copy); ties go to the first index, as
 torch.argmax's do."""
 
 import pytest
@@ -43,8 +43,8 @@ def test_native_greedy_drafts_equal_the_serial_head(dtype, bf16_values):
     with torch.inference_mode():
         native_tokens = head.greedy_tokens(base, anchor)
         assert native_tokens is not None, "the native path must apply here"
-        w2t = head._transposed(head.markov_w2.weight)
-        assert w2t.dtype == (torch.bfloat16 if bf16_values or dtype == torch.bfloat16 else torch.float32)
+        w2 = head._served(head.markov_w2.weight)
+        assert w2.dtype == (torch.bfloat16 if bf16_values or dtype == torch.bfloat16 else torch.float32)
         assert torch.equal(native_tokens, _reference(head, base.to(dtype), anchor))
         for b in range(B):  # a request's drafts do not depend on the others
             assert torch.equal(head.greedy_tokens(base[b : b + 1], anchor[b : b + 1]), native_tokens[b : b + 1])

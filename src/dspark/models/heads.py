@@ -38,7 +38,7 @@ class MarkovHead(nn.Module):
         self.rank = rank
         self.markov_w1 = nn.Embedding(vocab_size, rank)
         self.markov_w2 = Linear(rank, vocab_size, bias=False)
-        self._w2t: dict[int, tuple] = {}  # id(W2) -> (a weak reference to it, its pointer and version, W2ᵀ)
+        self._w2: dict[int, tuple] = {}  # id(W2) -> (a weak reference to it, its pointer and version, served W2)
         if head_type == "gated":
             self.gate_proj = Linear(hidden_size + rank, rank)
         elif head_type == "rnn":
@@ -99,20 +99,20 @@ class MarkovHead(nn.Module):
         if base_logits.device.type != "cpu" or w1.dtype != weight.dtype:
             return None
         base = base_logits.float().contiguous()
-        return ops.markov_greedy(base, w1.contiguous(), self._transposed(weight), anchor.long().contiguous(), ids)
+        return ops.markov_greedy(base, w1.contiguous(), self._served(weight), anchor.long().contiguous(), ids)
 
-    def _transposed(self, weight: torch.Tensor) -> torch.Tensor:
-        """W2ᵀ [r, N] contiguous, made once per weight (and again only if the weight changes in place); in bf16 when
-        an fp32 W2 holds only bf16 values (a bf16 checkpoint served in fp32): the same products from half the bytes,
-        which is what each of the K serial slots reads."""
+    def _served(self, weight: torch.Tensor) -> torch.Tensor:
+        """W2 [N, r] as ``markov_greedy`` reads it: contiguous, made once per weight (and again only if the weight
+        changes in place); in bf16 when an fp32 W2 holds only bf16 values (a bf16 checkpoint served in fp32): the same
+        products from half the bytes, which is what each of the K serial slots reads."""
         key = (weight.data_ptr(), weight._version)
-        cached = self._w2t.get(id(weight))
+        cached = self._w2.get(id(weight))
         if cached is None or cached[0]() is not weight or cached[1] != key:
-            t = weight.detach().t().contiguous()
-            if t.dtype == torch.float32 and torch.equal(t.to(torch.bfloat16).float(), t):
-                t = t.to(torch.bfloat16)
-            cached = (weakref.ref(weight), key, t)
-            self._w2t[id(weight)] = cached
+            w = weight.detach().contiguous()
+            if w.dtype == torch.float32 and torch.equal(w.to(torch.bfloat16).float(), w):
+                w = w.to(torch.bfloat16)
+            cached = (weakref.ref(weight), key, w)
+            self._w2[id(weight)] = cached
         return cached[2]
 
     def sample(

@@ -46,6 +46,10 @@ class GatedMLP(SwiGLU):
     def activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return situ(gate, up, self.betas) if self.act == "situ" else F.silu(gate) * up
 
+    def native_activation(self) -> tuple[int, float, float]:
+        """``glu``'s and ``moe_rows``' activation: (0, -, -) silu·up or (1, b_g, b_u) SiTU."""
+        return (1, *map(float, self.betas)) if self.act == "situ" else (0, 0.0, 0.0)
+
 
 class K3MoE(MoE):
     """Routed experts (optionally in a latent space) + shared experts; the router is the MLA target's MoEGate.
@@ -79,11 +83,6 @@ class K3MoE(MoE):
             if self.shared_experts is not None:
                 out = out + self.shared_experts(flat)
         return out.view_as(x)
-
-    def native_activation(self) -> tuple[int, float, float]:
-        """``moe_rows``' activation: (0, -, -) silu·up or (1, b_g, b_u) SiTU."""
-        expert = self.experts[0]
-        return (1, *map(float, expert.betas)) if expert.act == "situ" else (0, 0.0, 0.0)
 
     def native_latent(self, dtype: torch.dtype) -> tuple | None:
         """``moe_rows``' latent arguments (down weight, norm weight, eps, up weight); None if they are not plain

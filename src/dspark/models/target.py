@@ -172,8 +172,8 @@ class MoE(nn.Module, Packable):
             )  # fmt: skip
 
     def native_activation(self) -> tuple[int, float, float] | None:
-        """The experts' activation for ``moe_rows``: (0, -, -) silu·up; None if another (subclasses: SiTU)."""
-        return (0, 0.0, 0.0) if type(self.experts[0]).activate is SwiGLU.activate else None
+        """The experts' activation for ``moe_rows``, as their MLP states it for ``glu``."""
+        return self.experts[0].native_activation()
 
     def native_latent(self, dtype: torch.dtype) -> tuple | None:
         """``moe_rows``' latent arguments (down weight, norm weight, eps, up weight): none here (K3: its latent)."""

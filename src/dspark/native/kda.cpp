@@ -101,6 +101,55 @@ inline void update_read(float* S, const float* kc, const float* qc, const float*
   }
 }
 
+// One pass for two rows: the previous row's update and read-out (update_read with kp, qp, dp: its o lands in o) and
+// this row's decay and prediction (decay_predict with a, kc: pred), element by element in the same operations and
+// orders as those two loops, so the results are the same bits; the state after the previous row goes to snap (when
+// given) on the way. A verification's T rows then take T + 1 passes over the state instead of 2T.
+inline void update_decay(float* S, const float* kp, const float* qp, const float* dp, const float* a, const float* kc,
+                         int64_t Dk, float* o, float* pred, float* snap) {
+  int64_t j0 = 0;
+#if defined(DSPARK_DENSE512)
+  for (; j0 + 64 <= Dk; j0 += 64) {
+    __m512 ao[4], ap[4], dv[4];
+    for (int u = 0; u < 4; ++u) {
+      ao[u] = _mm512_setzero_ps();
+      ap[u] = _mm512_setzero_ps();
+      dv[u] = _mm512_loadu_ps(dp + j0 + 16 * u);
+    }
+    for (int64_t c = 0; c < Dk; ++c) {
+      float* srow = S + c * Dk + j0;
+      const __m512 kpv = _mm512_set1_ps(kp[c]), qpv = _mm512_set1_ps(qp[c]);
+      const __m512 av = _mm512_set1_ps(a[c]), kv = _mm512_set1_ps(kc[c]);
+      for (int u = 0; u < 4; ++u) {
+        __m512 sv = _mm512_add_ps(_mm512_loadu_ps(srow + 16 * u), _mm512_mul_ps(kpv, dv[u]));
+        ao[u] = _mm512_add_ps(ao[u], _mm512_mul_ps(qpv, sv));
+        if (snap != nullptr) _mm512_storeu_ps(snap + c * Dk + j0 + 16 * u, sv);
+        sv = _mm512_mul_ps(sv, av);
+        _mm512_storeu_ps(srow + 16 * u, sv);
+        ap[u] = _mm512_add_ps(ap[u], _mm512_mul_ps(kv, sv));
+      }
+    }
+    for (int u = 0; u < 4; ++u) {
+      _mm512_storeu_ps(o + j0 + 16 * u, ao[u]);
+      _mm512_storeu_ps(pred + j0 + 16 * u, ap[u]);
+    }
+  }
+#endif
+  std::fill(o + j0, o + Dk, 0.0f);
+  std::fill(pred + j0, pred + Dk, 0.0f);
+  for (int64_t c = 0; c < Dk; ++c) {
+    float* srow = S + c * Dk;
+    for (int64_t j = j0; j < Dk; ++j) {
+      float sv = srow[j] + kp[c] * dp[j];
+      o[j] += qp[c] * sv;
+      if (snap != nullptr) snap[c * Dk + j] = sv;
+      sv = sv * a[c];
+      srow[j] = sv;
+      pred[j] += kc[c] * sv;
+    }
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> kda_rows(
     const at::Tensor& z_in, const at::Tensor& fa_in, const at::Tensor& ga_in, const at::Tensor& bl_in,
     const at::Tensor& state_in, const at::Tensor& lengths_in, const at::Tensor& conv_w_in, const at::Tensor& f_b_in,
@@ -156,7 +205,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kda_rows(
     for (int64_t j = 0; j < K; ++j) cwt[j * CW + c] = cwp[c * K + j];
 
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> mixed(CW), ex(CW), pred(Dk), delta(Dk), o(Dk), gh(Dk), decay(Dk), og(Dk), kq(2 * Dk);
+    std::vector<float> mixed(CW), ex(CW), pred(Dk), o(Dk), gh(Dk), decay(Dk);
+    // each head's pending row (its update and read-out, done in the next row's pass): k|q, δ, the output gate
+    std::vector<float> kq(H * 2 * Dk), delta(H * Dk), og(H * Dk), kc(2 * Dk);
+    // the gated RMSNorm of head h's read-out o for row `row`, in fp32 from o as the model dtype holds it
+    auto finish = [&](int64_t h, int64_t row) {
+      float* dst = op + row * W + h * Dk;
+      const float* g = og.data() + h * Dk;
+      float ss = 0.0f;
+      for (int64_t j = 0; j < Dk; ++j) {
+        o[j] = round_as(o[j], dt);
+        ss += o[j] * o[j];
+      }
+      const float inv = 1.0f / std::sqrt(ss / float(Dk) + float(eps));
+      for (int64_t j = 0; j < Dk; ++j) dst[j] = o[j] * inv * nwp[j] * (1.0f / (1.0f + g[j]));
+      round_all(dst, Dk, dt);
+    };
     for (int64_t b = b0; b < b1; ++b) {
       float* S = sp + b * numel;
       float* tail = S + rec;  // [K−1, CW]: the pre-conv rows of the last K−1 tokens
@@ -179,12 +243,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kda_rows(
           for (int64_t j = 0; j + 1 < K1; ++j) std::memcpy(tail + j * CW, tail + (j + 1) * CW, sizeof(float) * CW);
           std::memcpy(tail + (K1 - 1) * CW, zr, sizeof(float) * CW);
         }
+        if (rp != nullptr) std::memcpy(rp + row * numel + rec, tail, sizeof(float) * K1 * CW);
         const float* q = mixed.data();
         const float* k = q + W;
         const float* v = k + W;
         for (int64_t h = 0; h < H; ++h) {
           float* Sh = S + h * Dk * Dk;  // [Dk (key channel), Dk (value)]
-          float* dst = op + row * W + h * Dk;
+          float* kh = kq.data() + h * 2 * Dk;
+          float* dh = delta.data() + h * Dk;
           const float rate = std::exp(alp[h]);
           const float beta = valid ? sigmoid_f(blp[row * H + h]) : 0.0f;
           for (int64_t c = 0; c < Dk; ++c) gh[c] = fbp[row * W + h * Dk + c] + dtp[h * Dk + c];  // raw
@@ -196,7 +262,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kda_rows(
             for (int64_t c = 0; c < Dk; ++c) gh[c] = valid ? -rate * softplus_f(gh[c]) : 0.0f;
           }
           exp_array(gh.data(), decay.data(), Dk);  // the decay of each key channel
-          exp_array(gbp + row * W + h * Dk, og.data(), Dk, -1.0f);  // the output gate: σ = 1 / (1 + e^−g)
           // L2 norms (eps inside the root), q scaled by Dk^-1/2
           float qq = 0.0f, kk = 0.0f;
           for (int64_t c = 0; c < Dk; ++c) {
@@ -205,26 +270,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kda_rows(
           }
           const float qn = 1.0f / std::sqrt(qq + 1e-6f), kn = 1.0f / std::sqrt(kk + 1e-6f);
           for (int64_t c = 0; c < Dk; ++c) {
-            kq[c] = k[h * Dk + c] * kn;
-            kq[Dk + c] = q[h * Dk + c] * qn * qscale;
+            kc[c] = k[h * Dk + c] * kn;
+            kc[Dk + c] = q[h * Dk + c] * qn * qscale;
           }
           // decay, then the prediction kᵀS; the rank-one update with δ = β(v − kᵀS), then the read-out qᵀS. Each
-          // output column j sums over the key channels c in order (products and sums rounded apart)
-          decay_predict(Sh, decay.data(), kq.data(), Dk, pred.data());
-          for (int64_t j = 0; j < Dk; ++j) delta[j] = beta * (v[h * Dk + j] - pred[j]);
-          update_read(Sh, kq.data(), kq.data() + Dk, delta.data(), Dk, o.data());
-          // gated RMSNorm over the head's channels, in fp32 from o as the model dtype holds it
-          float ss = 0.0f;
-          for (int64_t j = 0; j < Dk; ++j) {
-            o[j] = round_as(o[j], dt);
-            ss += o[j] * o[j];
+          // output column j sums over the key channels c in order (products and sums rounded apart). The update
+          // and read-out of a row run in the next row's pass (update_decay), the last row's on its own below.
+          if (t == 0) {
+            decay_predict(Sh, decay.data(), kc.data(), Dk, pred.data());
+          } else {
+            float* snap = rp != nullptr ? rp + (row - 1) * numel + h * Dk * Dk : nullptr;
+            update_decay(Sh, kh, kh + Dk, dh, decay.data(), kc.data(), Dk, o.data(), pred.data(), snap);
+            finish(h, row - 1);
           }
-          const float inv = 1.0f / std::sqrt(ss / float(Dk) + float(eps));
-          for (int64_t j = 0; j < Dk; ++j)
-            dst[j] = o[j] * inv * nwp[j] * (1.0f / (1.0f + og[j]));
-          round_all(dst, Dk, dt);
+          for (int64_t j = 0; j < Dk; ++j) dh[j] = beta * (v[h * Dk + j] - pred[j]);
+          std::copy(kc.begin(), kc.end(), kh);
+          exp_array(gbp + row * W + h * Dk, og.data() + h * Dk, Dk, -1.0f);  // the output gate: σ = 1 / (1 + e^−g)
         }
-        if (rp != nullptr) std::memcpy(rp + row * numel, S, sizeof(float) * numel);
+      }
+      if (T > 0) {  // the last row's update and read-out
+        const int64_t last = b * T + T - 1;
+        for (int64_t h = 0; h < H; ++h) {
+          float* Sh = S + h * Dk * Dk;
+          const float* kh = kq.data() + h * 2 * Dk;
+          update_read(Sh, kh, kh + Dk, delta.data() + h * Dk, Dk, o.data());
+          finish(h, last);
+          if (rp != nullptr) std::memcpy(rp + last * numel + h * Dk * Dk, Sh, sizeof(float) * Dk * Dk);
+        }
       }
     }
   });

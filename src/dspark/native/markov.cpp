@@ -6,16 +6,16 @@
 //
 //   base   [B, K, N] fp32   the drafter's base logits of the K slots (N: the vocabulary, or the reduced one)
 //   w1     [V, r]           the head's W1 (fp32, bf16 or fp16), rows by target token id
-//   w2t    [r, N]           W2 transposed (or its rows of the reduced vocabulary): the correction is r vector FMAs
-//                           over N contiguous lanes, with no reduction across lanes. W1's dtype, or bf16 where W2's
-//                           fp32 values are all bf16 values (a drafter stored in bf16): the same products, half the
-//                           bytes read per slot
+//   w2     [N, r]           W2 (or its rows of the reduced vocabulary), contiguous: the correction is dense.h's
+//                           dense_rows over it (bf16: its packed pair copy, 16 outputs a vector chain), every request
+//                           of a slot in one pass over the weight. W1's dtype, or bf16 where W2's fp32 values are all
+//                           bf16 values (a drafter stored in bf16): the same products, half the bytes read per slot
 //   anchor [B] int64        the token before slot 0
 //   ids    [N] int64        optional: draft index -> target token id
 //   -> tokens [B, K] int64 (target ids)
 //
-// Every output of the correction is one fixed-order sum (over r, in order), so a request's drafts never depend on the
-// other requests of the call. Their order is not oneDNN's or MKL's, so a correction can differ from the module's in
+// Every output of the correction is one fixed-order sum (dense_rows: each row alone), so a request's drafts never
+// depend on the other requests of the call. Their order is not oneDNN's or MKL's, so a correction can differ from the module's in
 // the last bit and, at an exact tie, pick another draft; drafts only decide what is verified, never the output.
 
 #include <ATen/Parallel.h>
@@ -37,32 +37,6 @@ inline float widen_any(const void* row, int64_t j, WType t) {
   if (t == WType::BF16) return bf16_to_f(static_cast<const uint16_t*>(row)[j]);
   if (t == WType::F16) return f16_to_f(static_cast<const uint16_t*>(row)[j]);
   return static_cast<const float*>(row)[j];
-}
-
-// c[n] = Σ_j e[j]·w2t[j, n] for n < N, j in order (one FMA chain per output; AVX-512: 64 outputs at a time, their
-// chains in registers)
-template <WType T>
-void correction(const float* e, const void* w2t, int64_t r, int64_t N, float* c) {
-  constexpr int64_t esize = T == WType::F32 ? 4 : 2;
-  const auto* base = static_cast<const uint8_t*>(w2t);
-  int64_t n0 = 0;
-#if defined(DSPARK_DENSE512)
-  for (; n0 + 64 <= N; n0 += 64) {
-    __m512 acc[4];
-    for (int u = 0; u < 4; ++u) acc[u] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < r; ++j) {
-      const void* row = base + j * N * esize;
-      const __m512 ej = _mm512_set1_ps(e[j]);
-      for (int u = 0; u < 4; ++u) acc[u] = _mm512_fmadd_ps(ej, load16<T>(row, n0 + 16 * u, 0xFFFF), acc[u]);
-    }
-    for (int u = 0; u < 4; ++u) _mm512_storeu_ps(c + n0 + 16 * u, acc[u]);
-  }
-#endif
-  std::fill(c + n0, c + N, 0.f);
-  for (int64_t j = 0; j < r; ++j) {
-    const void* row = base + j * N * esize;
-    for (int64_t n = n0; n < N; ++n) c[n] = std::fma(e[j], widen<T>(row, n), c[n]);
-  }
 }
 
 // the first index of the maximum of lg[n] + c[n] (torch.argmax's choice; AVX-512: per lane the first maximum, then
@@ -106,17 +80,18 @@ inline int64_t argmax_sum(const float* lg, const float* c, int64_t N) {
   return best;
 }
 
-at::Tensor markov_greedy(const at::Tensor& base, const at::Tensor& w1, const at::Tensor& w2t, const at::Tensor& anchor,
+at::Tensor markov_greedy(const at::Tensor& base, const at::Tensor& w1, const at::Tensor& w2, const at::Tensor& anchor,
                          const std::optional<at::Tensor>& ids) {
   TORCH_CHECK(base.dim() == 3 && base.scalar_type() == at::kFloat && base.is_contiguous(),
               "markov_greedy: base logits must be a contiguous fp32 [B, K, N]");
   const int64_t B = base.size(0), K = base.size(1), N = base.size(2);
-  TORCH_CHECK(w2t.dim() == 2 && w2t.is_contiguous() && w1.dim() == 2 && w1.is_contiguous(),
-              "markov_greedy: W1 [V, r] and W2ᵀ [r, N] must be contiguous 2-D");
-  const WType t1 = wtype_of(w1, "markov_greedy W1"), t2 = wtype_of(w2t, "markov_greedy W2");
+  TORCH_CHECK(w2.dim() == 2 && w2.is_contiguous() && w1.dim() == 2 && w1.is_contiguous(),
+              "markov_greedy: W1 [V, r] and W2 [N, r] must be contiguous 2-D");
+  const WType t1 = wtype_of(w1, "markov_greedy W1");
   const int64_t V = w1.size(0), r = w1.size(1);
-  TORCH_CHECK(w2t.size(0) == r && w2t.size(1) == N,
-              "markov_greedy: W1 [V, r] and W2ᵀ [r, N] must share r, and W2 cover the logits' ", N, " entries");
+  TORCH_CHECK(w2.size(1) == r && w2.size(0) == N,
+              "markov_greedy: W1 [V, r] and W2 [N, r] must share r, and W2 cover the logits' ", N, " entries");
+  const DenseW W2 = dense_of(w2, "markov_greedy W2");
   TORCH_CHECK(anchor.dim() == 1 && anchor.size(0) == B && anchor.scalar_type() == at::kLong && anchor.is_contiguous(),
               "markov_greedy: one int64 anchor per request");
   const int64_t* map = nullptr;
@@ -131,17 +106,17 @@ at::Tensor markov_greedy(const at::Tensor& base, const at::Tensor& w1, const at:
   at::Tensor tokens = at::empty({B, K}, anchor.options());
   int64_t* tp = tokens.data_ptr<int64_t>();
   std::vector<int64_t> prev(anchor.data_ptr<int64_t>(), anchor.data_ptr<int64_t>() + B);
-  std::vector<float> e(r), corr(N);
+  std::vector<float> e(B * r), corr(B * N);
   for (int64_t k = 0; k < K; ++k) {
     for (int64_t b = 0; b < B; ++b) {
       TORCH_CHECK(prev[b] >= 0 && prev[b] < V, "markov_greedy: token ", prev[b], " outside W1's ", V, " rows");
       const void* row = w1p + prev[b] * row_bytes;
-      for (int64_t j = 0; j < r; ++j) e[j] = widen_any(row, j, t1);
-      if (t2 == WType::F32) correction<WType::F32>(e.data(), w2t.data_ptr(), r, N, corr.data());
-      if (t2 == WType::BF16) correction<WType::BF16>(e.data(), w2t.data_ptr(), r, N, corr.data());
-      if (t2 == WType::F16) correction<WType::F16>(e.data(), w2t.data_ptr(), r, N, corr.data());
-      round_all(corr.data(), N, t1);  // the module's product returns the head's dtype (W1's)
-      const int64_t best = argmax_sum(bp + (b * K + k) * N, corr.data(), N);
+      for (int64_t j = 0; j < r; ++j) e[b * r + j] = widen_any(row, j, t1);
+    }
+    dense_rows(W2, e.data(), B, r, corr.data(), N);  // every request's correction W2·e, each row alone
+    round_all(corr.data(), B * N, t1);                // the module's product returns the head's dtype (W1's)
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t best = argmax_sum(bp + (b * K + k) * N, corr.data() + b * N, N);
       const int64_t tok = map != nullptr ? map[best] : best;
       tp[b * K + k] = tok;
       prev[b] = tok;
@@ -153,6 +128,6 @@ at::Tensor markov_greedy(const at::Tensor& base, const at::Tensor& w1, const at:
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dspark_native, m) {
-  m.def("markov_greedy(Tensor base, Tensor w1, Tensor w2t, Tensor anchor, Tensor? ids) -> Tensor");
+  m.def("markov_greedy(Tensor base, Tensor w1, Tensor w2, Tensor anchor, Tensor? ids) -> Tensor");
   m.impl("markov_greedy", c10::DispatchKey::CPU, &markov_greedy);
 }

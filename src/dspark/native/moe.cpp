@@ -264,9 +264,35 @@ at::Tensor moe_rows(const at::Tensor& x_in, const at::Tensor& router, const OptT
   return t == WType::F32 ? out32 : out32.to(x.scalar_type());
 }
 
+// glu: a dense gated MLP (models/layers.py SwiGLU, k3.py GatedMLP) in one call, as moe_rows' shared expert:
+// T(down · act(T(gate_up · x))) for x [..., D] (gate_up [2I, D], down [out, I], all in x's dtype T), each row alone
+at::Tensor glu(const at::Tensor& x_in, const at::Tensor& gate_up, const at::Tensor& down, int64_t act_kind,
+               double beta_g, double beta_u) {
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.device().is_cpu(), "glu: x must be a CPU [..., D]");
+  const WType t = wtype_of(x_in, "glu: x");
+  TORCH_CHECK(act_kind == 0 || act_kind == 1, "glu: act is 0 (silu) or 1 (SiTU)");
+  TORCH_CHECK(gate_up.scalar_type() == x_in.scalar_type() && down.scalar_type() == x_in.scalar_type(),
+              "glu: the weights must be in x's dtype");
+  const DenseW gu_w = dense_of(gate_up, "glu: gate_up"), down_w = dense_of(down, "glu: down");
+  const int64_t D = x_in.size(-1);
+  TORCH_CHECK(gu_w.K == D && gu_w.N == 2 * down_w.K, "glu: gate_up [", gu_w.N, ", ", gu_w.K, "] and down [", down_w.N,
+              ", ", down_w.K, "] do not fit x's ", D, " features");
+  const int64_t M = D == 0 ? 0 : x_in.numel() / D;
+  const at::Tensor xf = x_in.to(at::kFloat).contiguous();
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  shape.back() = down_w.N;
+  at::Tensor y = at::empty(shape, x_in.options().dtype(at::kFloat));
+  std::vector<float> gu, h;
+  glu_rows(gu_w, down_w, xf.data_ptr<float>(), M, Act{act_kind, float(beta_g), float(beta_u), t}, y.data_ptr<float>(),
+           gu, h);
+  return t == WType::F32 ? y : y.to(x_in.scalar_type());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dspark_native, m) {
+  m.def("glu(Tensor x, Tensor gate_up, Tensor down, int act, float beta_g, float beta_u) -> Tensor");
+  m.impl("glu", c10::DispatchKey::CPU, &glu);
   m.def("moe_rows(Tensor x, Tensor router, Tensor? bias, int top_k, bool softmax, bool norm_topk, float scaling, "
         "int n_group, int topk_group, int group_mode, Tensor gate_up, Tensor down, Tensor? latent_down, "
         "Tensor? latent_norm, float eps, Tensor? latent_up, Tensor? shared_gate_up, Tensor? shared_down, int act, "
