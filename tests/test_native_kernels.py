@@ -361,6 +361,16 @@ for qt in ("Q4_0", "Q4_1", "Q8_0"):
             y = native.ops().quant_linear(x, qw.blocks, None, QTYPES[qt], int8)
             lone = [native.ops().quant_linear(x[i : i + 1], qw.blocks, None, QTYPES[qt], int8) for i in range(m)]
             assert torch.equal(y, torch.cat(lone)), (qt, m, int8)
+for dt, values in ((torch.float32, "fp32"), (torch.float32, "bf16"), (torch.bfloat16, "bf16")):
+    w = torch.randn(70, 77) * 0.1  # fp32 weights holding bf16 values: packed as bf16 on AVX2, the same sums
+    w = (w.bfloat16().float() if values == "bf16" else w).to(dt)
+    x = torch.randn(13, 77).to(dt)
+    y = native.ops().dense_linear(x, w, None)
+    ref = x.double() @ w.double().T
+    slack = ref.abs() / 128 if dt == torch.bfloat16 else 0
+    assert ((y.double() - ref).abs() <= 1e-5 * (x.double().abs() @ w.double().abs().T) + slack + 1e-6).all()
+    for m in (1, 3, 8, 9):  # each row as alone, bit for bit
+        assert torch.equal(native.ops().dense_linear(x[:m], w, None), y[:m]), (dt, values, m)
 print("ok")
 """
 

@@ -19,7 +19,9 @@
 #include <cstring>
 #include <iterator>
 #include <mutex>
+#include <tuple>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "quant_blocks.h"
@@ -33,6 +35,8 @@ struct DenseW {
   WType t = WType::F32;
   int64_t N = 0, K = 0;
   const uint32_t* pk = nullptr;  // bf16 weights with pair products: the same rows packed (pairs_of)
+  const void* pf = nullptr;      // AVX2 builds: the same rows as blocks of 8 outputs (f32_blocks_of)
+  bool pf_half = false;          // ... holding bf16 bits (the weight's values are all bf16 values)
 };
 
 inline WType wtype_of(const at::Tensor& t, const char* what) {
@@ -120,6 +124,29 @@ inline float widen(const void* row, int64_t k) {
   if constexpr (T == WType::F32) return static_cast<const float*>(row)[k];
   const uint16_t h = static_cast<const uint16_t*>(row)[k];
   return T == WType::BF16 ? bf16_to_f(h) : f16_to_f(h);
+}
+
+// pack(w), made once per weight and packing: the entry holds the weight, so no other tensor can take its address
+// while the copy is kept; an in-place write bumps the weight's version and the copy is made again. Entries whose
+// weight only the cache still holds (its model is gone) are dropped whenever a new one is made.
+inline const at::Tensor& packed_copy(const at::Tensor& w, at::Tensor (*pack)(const at::Tensor&)) {
+  struct Entry {
+    at::Tensor src;
+    int64_t version;
+    at::Tensor packed;
+  };
+  static std::mutex mu;
+  static std::unordered_map<const void*, std::unordered_map<const void*, Entry>> by_pack;  // packing → weight address
+  const int64_t version = w.is_inference() ? -1 : static_cast<int64_t>(w._version());
+  std::lock_guard<std::mutex> lock(mu);
+  auto& entries = by_pack[reinterpret_cast<const void*>(pack)];
+  auto it = entries.find(w.data_ptr());
+  if (it != entries.end() && it->second.version == version && it->second.src.sizes() == w.sizes())
+    return it->second.packed;
+  for (auto e = entries.begin(); e != entries.end();)
+    e = e->second.src.use_count() == 1 ? entries.erase(e) : std::next(e);
+  Entry& entry = entries[w.data_ptr()] = Entry{w, version, pack(w)};
+  return entry.packed;
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -315,25 +342,9 @@ inline at::Tensor pack_pairs(const at::Tensor& w) {
   return out;
 }
 
-// pack_pairs(w), made once per weight: the entry holds the weight, so no other tensor can take its address while the
-// copy is kept; an in-place write bumps the weight's version and the copy is made again. Entries whose weight only
-// the cache still holds (its model is gone) are dropped whenever a new one is made.
+// pack_pairs(w), made once per weight (packed_copy)
 inline const uint32_t* pairs_of(const at::Tensor& w) {
-  struct Entry {
-    at::Tensor src;
-    int64_t version;
-    at::Tensor packed;
-  };
-  static std::mutex mu;
-  static std::unordered_map<const void*, Entry> cache;
-  const int64_t version = w.is_inference() ? -1 : static_cast<int64_t>(w._version());
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(w.data_ptr());
-  if (it != cache.end() && it->second.version == version && it->second.src.sizes() == w.sizes())
-    return reinterpret_cast<const uint32_t*>(it->second.packed.data_ptr<int32_t>());
-  for (auto e = cache.begin(); e != cache.end();) e = e->second.src.use_count() == 1 ? cache.erase(e) : std::next(e);
-  Entry& entry = cache[w.data_ptr()] = Entry{w, version, pack_pairs(w)};
-  return reinterpret_cast<const uint32_t*>(entry.packed.data_ptr<int32_t>());
+  return reinterpret_cast<const uint32_t*>(packed_copy(w, &pack_pairs).data_ptr<int32_t>());
 }
 
 // y[j·ldy + 16·b + i] for MT x rows (bf16 pairs xp [MT, K2]) and NB blocks of 16 outputs (cols valid columns from
@@ -400,6 +411,111 @@ inline bool bf16_valued(const float* x, int64_t K) {
 }
 #endif
 
+#if !defined(DSPARK_DENSE512) && defined(DSPARK_AVX2)
+#define DSPARK_F32_BLOCKS 1
+// Dense products on AVX2 CPUs run on a packed copy of the weight: for each block of 8 output rows and each input k,
+// one vector whose lane i holds W[8b+i, k] (zeros past N), as bf16 bits where every value of the weight is a bf16
+// value (a bf16 checkpoint served in fp32: half the bytes, widened exactly in registers), else as fp32. The 8 outputs
+// of a block are then one FMA chain over k in order (x[k] broadcast), with no lane reduction, and a tile of up to 8
+// x rows reads each weight vector once. Each output is that one chain whatever the number of rows, the tile or the
+// thread split.
+inline int64_t f32_blocks(int64_t N) { return (N + 7) / 8; }
+
+// the packed copy of a contiguous [.., N, K] tensor (every [N, K] matrix, one after the other): bf16 bits (int16) if
+// every value is a bf16 value, else fp32
+inline at::Tensor pack_f32_blocks(const at::Tensor& w) {
+  const int64_t N = w.size(-2), K = w.size(-1), mats = N * K == 0 ? 0 : w.numel() / (N * K), NB = f32_blocks(N);
+  const at::Tensor wf = w.to(at::kFloat).contiguous();
+  const float* src = wf.data_ptr<float>();
+  bool halves = true;
+  for (int64_t i = 0; i < wf.numel() && halves; ++i) halves = bf16_to_f(f_to_bf16(src[i])) == src[i] || std::isnan(src[i]);
+  halves = halves && w.numel() > 0;
+  const int64_t total = std::max<int64_t>(1, mats * NB * K * 8);
+  at::Tensor out = at::zeros({total}, w.options().dtype(halves ? at::kShort : at::kFloat));
+  for (int64_t mat = 0; mat < mats; ++mat)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t at = ((mat * NB + n / 8) * K + k) * 8 + n % 8;
+        const float v = src[(mat * N + n) * K + k];
+        if (halves)
+          reinterpret_cast<uint16_t*>(out.data_ptr<int16_t>())[at] = f_to_bf16(v);
+        else
+          out.data_ptr<float>()[at] = v;
+      }
+  return out;
+}
+
+// the packed blocks of w and whether they hold bf16 bits
+inline std::pair<const void*, bool> f32_blocks_of(const at::Tensor& w) {
+  const at::Tensor& p = packed_copy(w, &pack_f32_blocks);
+  return {p.data_ptr(), p.scalar_type() == at::kShort};
+}
+
+template <bool HALF>
+inline __m256 block8(const void* pk, int64_t at) {
+  if constexpr (HALF) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(pk) + at));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm256_loadu_ps(static_cast<const float*>(pk) + at);
+  }
+}
+
+// y[j·ldy + 8·b + i] for MT x rows (stride ldx) and NB blocks of 8 outputs (cols valid columns from the first
+// block's start); pk points at the first block
+template <bool HALF, int MT, int NB>
+inline void f32_tile(const void* pk, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t cols) {
+  __m256 acc[MT][NB];
+  _Pragma("GCC unroll 8") for (int j = 0; j < MT; ++j)
+    _Pragma("GCC unroll 8") for (int b = 0; b < NB; ++b) acc[j][b] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 w[NB];
+    _Pragma("GCC unroll 8") for (int b = 0; b < NB; ++b) w[b] = block8<HALF>(pk, (b * K + k) * 8);
+    _Pragma("GCC unroll 8") for (int j = 0; j < MT; ++j) {
+      const __m256 xv = _mm256_broadcast_ss(x + j * ldx + k);
+      _Pragma("GCC unroll 8") for (int b = 0; b < NB; ++b) acc[j][b] = _mm256_fmadd_ps(w[b], xv, acc[j][b]);
+    }
+  }
+  _Pragma("GCC unroll 8") for (int b = 0; b < NB; ++b) {
+    const int left = static_cast<int>(std::min<int64_t>(8, cols - 8 * b));
+    const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    _Pragma("GCC unroll 8") for (int j = 0; j < MT; ++j) _mm256_maskstore_ps(y + j * ldy + 8 * b, m, acc[j][b]);
+  }
+}
+
+// tiles of MT <= 8 rows × NB blocks (as many chains in flight as the 16 vector registers allow)
+template <bool HALF, int MT>
+inline void f32_blocks_range(const void* pk, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy,
+                             int64_t N, int64_t b, int64_t b1) {
+  constexpr int NB = MT == 1 ? 8 : MT == 2 ? 4 : MT == 3 ? 3 : MT <= 6 ? 2 : 1;
+  constexpr int64_t esize = HALF ? 2 : 4;
+  const auto* base = static_cast<const uint8_t*>(pk);
+  for (; b + NB <= b1; b += NB)
+    f32_tile<HALF, MT, NB>(base + b * K * 8 * esize, K, x, ldx, y + 8 * b, ldy, N - 8 * b);
+  for (; b < b1; ++b) f32_tile<HALF, MT, 1>(base + b * K * 8 * esize, K, x, ldx, y + 8 * b, ldy, N - 8 * b);
+}
+
+// y[m, n] for the output blocks b0 <= b < b1, 8 rows at a time
+template <bool HALF>
+inline void f32_block_rows(const DenseW& W, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy, int64_t b0,
+                           int64_t b1) {
+  for (int64_t m = 0; m < M; m += 8) {
+    const float* xm = x + m * ldx;
+    float* ym = y + m * ldy;
+    switch (std::min<int64_t>(8, M - m)) {
+      case 1: f32_blocks_range<HALF, 1>(W.pf, W.K, xm, ldx, ym, ldy, W.N, b0, b1); break;
+      case 2: f32_blocks_range<HALF, 2>(W.pf, W.K, xm, ldx, ym, ldy, W.N, b0, b1); break;
+      case 3: f32_blocks_range<HALF, 3>(W.pf, W.K, xm, ldx, ym, ldy, W.N, b0, b1); break;
+      case 4: f32_blocks_range<HALF, 4>(W.pf, W.K, xm, ldx, ym, ldy, W.N, b0, b1); break;
+      case 5: f32_blocks_range<HALF, 5>(W.pf, W.K, xm, ldx, ym, ldy, W.N, b0, b1); break;
+      case 6: f32_blocks_range<HALF, 6>(W.pf, W.K, xm, ldx, ym, ldy, W.N, b0, b1); break;
+      case 7: f32_blocks_range<HALF, 7>(W.pf, W.K, xm, ldx, ym, ldy, W.N, b0, b1); break;
+      default: f32_blocks_range<HALF, 8>(W.pf, W.K, xm, ldx, ym, ldy, W.N, b0, b1); break;
+    }
+  }
+}
+#endif
+
 // A contiguous 2-D weight [N, K] (K = in_features) as rows for dense_rows.
 inline DenseW dense_of(const at::Tensor& w, const char* what) {
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(), what, ": weight must be a contiguous CPU [N, K],",
@@ -407,6 +523,9 @@ inline DenseW dense_of(const at::Tensor& w, const char* what) {
   DenseW W{w.data_ptr(), wtype_of(w, what), w.size(0), w.size(1)};
 #if defined(DSPARK_BF16_PAIRS)
   if (W.t == WType::BF16) W.pk = pairs_of(w);
+#endif
+#if defined(DSPARK_F32_BLOCKS)
+  std::tie(W.pf, W.pf_half) = f32_blocks_of(w);
 #endif
   return W;
 }
@@ -420,6 +539,11 @@ inline DenseW dense_entry(const at::Tensor& stack, int64_t e, const char* what) 
 #if defined(DSPARK_BF16_PAIRS)
   if (W.t == WType::BF16) W.pk = pairs_of(stack) + e * pair_blocks(N) * pair_steps(K) * 16;
 #endif
+#if defined(DSPARK_F32_BLOCKS)
+  const auto [pk, half] = f32_blocks_of(stack);
+  W.pf = static_cast<const uint8_t*>(pk) + e * f32_blocks(N) * K * 8 * (half ? 2 : 4);
+  W.pf_half = half;
+#endif
   return W;
 }
 
@@ -428,6 +552,18 @@ inline DenseW dense_entry(const at::Tensor& stack, int64_t e, const char* what) 
 // other rows of the call (the batch-invariance the lossless check and prefix caching rely on).
 inline void dense_rows(const DenseW& W, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy) {
   if (M == 0 || W.N == 0) return;
+#if defined(DSPARK_F32_BLOCKS)
+  if (W.pf != nullptr) {  // every row by the packed blocks' FMA chains
+    const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 13) / std::max<int64_t>(1, W.K * M));
+    at::parallel_for(0, f32_blocks(W.N), grain, [&](int64_t b0, int64_t b1) {
+      if (W.pf_half)
+        f32_block_rows<true>(W, x, M, ldx, y, ldy, b0, b1);
+      else
+        f32_block_rows<false>(W, x, M, ldx, y, ldy, b0, b1);
+    });
+    return;
+  }
+#endif
 #if defined(DSPARK_BF16_PAIRS)
   if (W.t == WType::BF16 && W.pk != nullptr) {  // rows of bf16 values by pair products, the others below, each alone
     std::vector<int64_t> pairs, rest;

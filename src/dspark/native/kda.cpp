@@ -58,6 +58,21 @@ inline void decay_predict(float* S, const float* a, const float* kc, int64_t Dk,
     }
     for (int u = 0; u < 4; ++u) _mm512_storeu_ps(pred + j0 + 16 * u, acc[u]);
   }
+#elif defined(DSPARK_AVX2)
+  for (; j0 + 32 <= Dk; j0 += 32) {  // the same arithmetic, 32 columns at a time in 8-lane vectors
+    __m256 acc[4];
+    for (int u = 0; u < 4; ++u) acc[u] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < Dk; ++c) {
+      float* srow = S + c * Dk + j0;
+      const __m256 av = _mm256_set1_ps(a[c]), kv = _mm256_set1_ps(kc[c]);
+      for (int u = 0; u < 4; ++u) {
+        const __m256 sv = _mm256_mul_ps(_mm256_loadu_ps(srow + 8 * u), av);
+        _mm256_storeu_ps(srow + 8 * u, sv);
+        acc[u] = _mm256_add_ps(acc[u], _mm256_mul_ps(kv, sv));
+      }
+    }
+    for (int u = 0; u < 4; ++u) _mm256_storeu_ps(pred + j0 + 8 * u, acc[u]);
+  }
 #endif
   std::fill(pred + j0, pred + Dk, 0.0f);
   for (int64_t c = 0; c < Dk; ++c) {
@@ -89,6 +104,24 @@ inline void update_read(float* S, const float* kc, const float* qc, const float*
       }
     }
     for (int u = 0; u < 4; ++u) _mm512_storeu_ps(o + j0 + 16 * u, acc[u]);
+  }
+#elif defined(DSPARK_AVX2)
+  for (; j0 + 32 <= Dk; j0 += 32) {
+    __m256 acc[4], dv[4];
+    for (int u = 0; u < 4; ++u) {
+      acc[u] = _mm256_setzero_ps();
+      dv[u] = _mm256_loadu_ps(delta + j0 + 8 * u);
+    }
+    for (int64_t c = 0; c < Dk; ++c) {
+      float* srow = S + c * Dk + j0;
+      const __m256 kv = _mm256_set1_ps(kc[c]), qv = _mm256_set1_ps(qc[c]);
+      for (int u = 0; u < 4; ++u) {
+        const __m256 sv = _mm256_add_ps(_mm256_loadu_ps(srow + 8 * u), _mm256_mul_ps(kv, dv[u]));
+        _mm256_storeu_ps(srow + 8 * u, sv);
+        acc[u] = _mm256_add_ps(acc[u], _mm256_mul_ps(qv, sv));
+      }
+    }
+    for (int u = 0; u < 4; ++u) _mm256_storeu_ps(o + j0 + 8 * u, acc[u]);
   }
 #endif
   std::fill(o + j0, o + Dk, 0.0f);
@@ -132,6 +165,32 @@ inline void update_decay(float* S, const float* kp, const float* qp, const float
     for (int u = 0; u < 4; ++u) {
       _mm512_storeu_ps(o + j0 + 16 * u, ao[u]);
       _mm512_storeu_ps(pred + j0 + 16 * u, ap[u]);
+    }
+  }
+#elif defined(DSPARK_AVX2)
+  for (; j0 + 16 <= Dk; j0 += 16) {  // 16 columns: two rows' sums and δ in the 16 vector registers
+    __m256 ao[2], ap[2], dv[2];
+    for (int u = 0; u < 2; ++u) {
+      ao[u] = _mm256_setzero_ps();
+      ap[u] = _mm256_setzero_ps();
+      dv[u] = _mm256_loadu_ps(dp + j0 + 8 * u);
+    }
+    for (int64_t c = 0; c < Dk; ++c) {
+      float* srow = S + c * Dk + j0;
+      const __m256 kpv = _mm256_set1_ps(kp[c]), qpv = _mm256_set1_ps(qp[c]);
+      const __m256 av = _mm256_set1_ps(a[c]), kv = _mm256_set1_ps(kc[c]);
+      for (int u = 0; u < 2; ++u) {
+        __m256 sv = _mm256_add_ps(_mm256_loadu_ps(srow + 8 * u), _mm256_mul_ps(kpv, dv[u]));
+        ao[u] = _mm256_add_ps(ao[u], _mm256_mul_ps(qpv, sv));
+        if (snap != nullptr) _mm256_storeu_ps(snap + c * Dk + j0 + 8 * u, sv);
+        sv = _mm256_mul_ps(sv, av);
+        _mm256_storeu_ps(srow + 8 * u, sv);
+        ap[u] = _mm256_add_ps(ap[u], _mm256_mul_ps(kv, sv));
+      }
+    }
+    for (int u = 0; u < 2; ++u) {
+      _mm256_storeu_ps(o + j0 + 8 * u, ao[u]);
+      _mm256_storeu_ps(pred + j0 + 8 * u, ap[u]);
     }
   }
 #endif

@@ -60,7 +60,35 @@ struct Act {
       }
       _mm512_mask_storeu_ps(h + j, m, hv);
     }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if (t != WType::F32) {  // bf16/fp16 activations on an AVX2 CPU: the scalar steps below
+      scalar(g, u, h, n);
+      return;
+    }
+    for (int64_t j = 0; j < n; j += 8) {  // fp32 (no rounding between the steps), the tail through the same lanes
+      alignas(32) float gt[8] = {}, ut[8] = {}, ht[8];
+      const int64_t w = std::min<int64_t>(8, n - j);
+      std::copy(g + j, g + j + w, gt);
+      std::copy(u + j, u + j + w, ut);
+      const __m256 gv = _mm256_load_ps(gt), uv = _mm256_load_ps(ut);
+      __m256 hv;
+      if (kind == 0) {
+        hv = _mm256_mul_ps(silu8(gv), uv);
+      } else {
+        const __m256 bgv = splat8(bg), buv = splat8(bu);
+        const __m256 a = _mm256_mul_ps(bgv, tanh8(_mm256_div_ps(gv, bgv)));
+        const __m256 b = _mm256_mul_ps(buv, tanh8(_mm256_div_ps(uv, buv)));
+        hv = _mm256_mul_ps(_mm256_mul_ps(a, sigmoid8(gv)), b);
+      }
+      _mm256_store_ps(ht, hv);
+      std::copy(ht, ht + w, h + j);
+    }
 #else
+    scalar(g, u, h, n);
+#endif
+  }
+
+  void scalar(const float* g, const float* u, float* h, int64_t n) const {
     for (int64_t j = 0; j < n; ++j) {
       if (kind == 0) {
         h[j] = round_as(round_as(silu_f(g[j]), t) * u[j], t);
@@ -71,7 +99,6 @@ struct Act {
         h[j] = round_as(round_as(a * s, t) * b, t);
       }
     }
-#endif
   }
 };
 

@@ -80,6 +80,26 @@ inline __m256 exp8(__m256 x) {  // exp16's steps; 2^n as a product (exact: n ≥
 inline __m256 silu8(__m256 g) {
   return _mm256_div_ps(g, _mm256_add_ps(splat8(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
 }
+
+inline __m256 sigmoid8(__m256 x) {
+  return _mm256_div_ps(splat8(1.0f), _mm256_add_ps(splat8(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+
+inline __m256 tanh8(__m256 x) {  // tanh16's steps
+  const __m256 sign = _mm256_castsi256_ps(_mm256_set1_epi32(int(0x80000000u)));
+  const __m256 ax = _mm256_andnot_ps(sign, x);
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 p = splat8(-5.70498872745e-3f);
+  p = _mm256_fmadd_ps(p, z, splat8(2.06390887954e-2f));
+  p = _mm256_fmadd_ps(p, z, splat8(-5.37397155531e-2f));
+  p = _mm256_fmadd_ps(p, z, splat8(1.33314422036e-1f));
+  p = _mm256_fmadd_ps(p, z, splat8(-3.33332819422e-1f));
+  const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, z), x, x);
+  const __m256 e = exp8(_mm256_add_ps(ax, ax));
+  const __m256 big = _mm256_sub_ps(splat8(1.0f), _mm256_div_ps(splat8(2.0f), _mm256_add_ps(e, splat8(1.0f))));
+  const __m256 signed_big = _mm256_or_ps(big, _mm256_and_ps(x, sign));
+  return _mm256_blendv_ps(signed_big, small, _mm256_cmp_ps(ax, splat8(0.625f), _CMP_LT_OQ));
+}
 #endif
 
 // y[i] = exp(s·x[i]) for i < n (s = 1 or −1), each element alone through the vector exp above where the CPU has one
