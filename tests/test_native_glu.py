@@ -1,7 +1,7 @@
 """The native gated MLP (``glu``, dspark/native/moe.cpp via ``SwiGLU._native_forward``) against the module path:
-SwiGLU (the drafter's and the dense target layers' MLP) and K3's SiTU ``GatedMLP``, in fp32 (up to the activation's
-last bit) and bf16 (up to bf16 rounding); every row of a batch bit for bit its one-row result; and the modules keep
-what the kernel does not take (grad mode, biases, unfused weights)."""
+SwiGLU (the drafter's and the dense target layers' MLP) and K3's SiTU ``GatedMLP`` in bf16 and fp16 (up to their
+rounding); every row of a batch bit for bit its one-row result; and the modules keep what the kernel does not take
+(fp32, the bit-exact reference; grad mode; biases)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def rows(n: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
     return (torch.randn(2, n, D, generator=torch.Generator().manual_seed(seed)) * 2).to(dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["silu", "situ"])
 def test_native_mlp_equals_the_module_path(kind: str, dtype: torch.dtype, monkeypatch) -> None:
     mlp = make_mlp(kind, dtype)
@@ -46,12 +46,12 @@ def test_native_mlp_equals_the_module_path(kind: str, dtype: torch.dtype, monkey
             want = mlp(x)
             monkeypatch.delenv(native.ENV)
         scale = float(want.float().abs().max())
-        tol = 1e-5 if dtype == torch.float32 else 1e-2  # fp32: the activation's exp; bf16: ~1 ulp of the scale
+        tol = 2e-3 if dtype == torch.float16 else 1e-2  # ~1 ulp of the scale
         assert got.dtype == want.dtype and got.shape == want.shape
         torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=tol * scale)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_every_row_of_a_batch_is_its_one_row_result(dtype: torch.dtype) -> None:
     mlp = make_mlp("silu", dtype)
     x = rows(9, dtype)
@@ -67,6 +67,8 @@ def test_the_modules_keep_what_the_kernel_does_not_take() -> None:
     with torch.no_grad():
         assert mlp._native_forward(x, mlp.fused_gate_up()) is not None
         assert mlp._native_forward(x.float(), mlp.fused_gate_up()) is None  # x's dtype is not the weights'
+        full = make_mlp("silu", torch.float32)
+        assert full._native_forward(x.float(), full.fused_gate_up()) is None  # fp32: the reference modules
     assert mlp.fused_gate_up() is None  # grad mode (training): the modules
     biased = make_mlp("silu", torch.bfloat16, bias=True)
     with torch.no_grad():

@@ -91,15 +91,16 @@ class SwiGLU(nn.Module, Packable):
 
     def _native_forward(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor | None:
         """The whole MLP in one native call (``glu``, dspark/native/moe.cpp: the packed products of dense.h, each
-        row alone, every value the modules hold in x's dtype rounded to it) for inference at every row count: a
-        drafter block's MLP was ~9 eager ops and ~0.37 ms. None where it does not apply (no native build, grad mode,
-        biases, mixed dtypes, another activation): the modules run."""
+        row alone, every value the modules hold in x's dtype rounded to it) for bf16/fp16 inference at every row
+        count: a drafter block's MLP was ~9 eager ops and ~0.37 ms. None where it does not apply (no native build,
+        grad mode, fp32 (the bit-exact reference: its products are already native, its activation torch's), biases,
+        mixed dtypes, another activation): the modules run."""
         act = self.native_activation()
         down = self.down_proj.weight
         if (
             act is None
             or torch.is_grad_enabled()
-            or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+            or x.dtype not in (torch.bfloat16, torch.float16)
             or type(self.down_proj) is not Linear
             or self.down_proj.bias is not None
             or self.__dict__.get("_gate_up_bias") is not None

@@ -64,6 +64,38 @@ inline void dots4x4(const uint8_t* const* keys, int64_t K, const float* q, int64
   }
   for (int j = 0; j < 4; ++j)
     for (int k = 0; k < 4; ++k) out[4 * j + k] = _mm512_reduce_add_ps(acc[j][k]);
+#elif defined(DSPARK_AVX2)
+  // 2 query rows × 4 keys at a time, each score dot_row's sum (an 8-lane FMA chain over k, hsum256, the tail added
+  // one product at a time), with a key vector read once for both rows
+  auto key8 = [](const uint8_t* row, int64_t at) {
+    if constexpr (T == WType::F32) {
+      return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + at);
+    } else {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(row) + at));
+      if constexpr (T == WType::BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+      return _mm256_cvtph_ps(h);
+    }
+  };
+  for (int j0 = 0; j0 < 4; j0 += 2) {
+    __m256 acc[2][4];
+    _Pragma("GCC unroll 4") for (int j = 0; j < 2; ++j)
+      _Pragma("GCC unroll 4") for (int k = 0; k < 4; ++k) acc[j][k] = _mm256_setzero_ps();
+    int64_t w = 0;
+    for (; w + 8 <= K; w += 8) {
+      __m256 kv[4];
+      _Pragma("GCC unroll 4") for (int k = 0; k < 4; ++k) kv[k] = key8(keys[k], w);
+      _Pragma("GCC unroll 4") for (int j = 0; j < 2; ++j) {
+        const __m256 x = _mm256_loadu_ps(q + (j0 + j) * ldq + w);
+        _Pragma("GCC unroll 4") for (int k = 0; k < 4; ++k) acc[j][k] = _mm256_fmadd_ps(kv[k], x, acc[j][k]);
+      }
+    }
+    _Pragma("GCC unroll 4") for (int j = 0; j < 2; ++j)
+      _Pragma("GCC unroll 4") for (int k = 0; k < 4; ++k) {
+        float sum = hsum256(acc[j][k]);
+        for (int64_t t = w; t < K; ++t) sum += widen<T>(keys[k], t) * q[(j0 + j) * ldq + t];
+        out[4 * (j0 + j) + k] = sum;
+      }
+  }
 #else
   for (int j = 0; j < 4; ++j)
     for (int k = 0; k < 4; ++k) out[4 * j + k] = dot_row<T>(keys[k], q + j * ldq, K);
@@ -248,6 +280,47 @@ void weighted_values(const float* p, int64_t S, const uint8_t* const* values, in
     for (int r = 0; r < N; ++r)
       for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(o + r * C + c + 16 * j, m[j], acc[r][j]);
   }
+#elif defined(DSPARK_AVX2)
+  // 16 outputs per row held across all value rows, each one FMA chain over the value rows in order (AVX-512's sums);
+  // a row whose weight is 0 keeps its sums
+  for (; c + 16 <= C; c += 16) {
+    __m256 acc[N][2];
+    _Pragma("GCC unroll 4") for (int r = 0; r < N; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < S; ++s) {
+      bool any = false;
+      for (int r = 0; r < N; ++r) any |= p[r * S + s] != 0.f;
+      if (!any) continue;
+      __m256 v[2];
+      _Pragma("GCC unroll 2") for (int j = 0; j < 2; ++j) {
+        if constexpr (T == WType::F32) {
+          v[j] = _mm256_loadu_ps(reinterpret_cast<const float*>(values[s]) + c + 8 * j);
+        } else {
+          const __m128i h =
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(reinterpret_cast<const uint16_t*>(values[s]) + c + 8 * j));
+          v[j] = T == WType::BF16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                                  : _mm256_cvtph_ps(h);
+        }
+      }
+      _Pragma("GCC unroll 4") for (int r = 0; r < N; ++r) {
+        const float pw = p[r * S + s];
+        if (pw == 0.f) continue;
+        const __m256 w = _mm256_set1_ps(pw);
+        acc[r][0] = _mm256_fmadd_ps(w, v[0], acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(w, v[1], acc[r][1]);
+      }
+    }
+    _Pragma("GCC unroll 4") for (int r = 0; r < N; ++r) {
+      _mm256_storeu_ps(o + r * C + c, acc[r][0]);
+      _mm256_storeu_ps(o + r * C + c + 8, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < N; ++r) std::fill(o + r * C + c, o + r * C + C, 0.f);
+  for (int64_t s = 0; s < S && c < C; ++s)  // the last C % 16 outputs, the same chains one at a time
+    for (int r = 0; r < N; ++r) {
+      const float w = p[r * S + s];
+      if (w == 0.f) continue;
+      for (int64_t t = c; t < C; ++t) o[r * C + t] = std::fma(w, widen<T>(values[s], t), o[r * C + t]);
+    }
 #else
   for (int r = 0; r < N; ++r) std::fill(o + r * C, o + r * C + C, 0.f);
   for (int64_t s = 0; s < S; ++s) {
