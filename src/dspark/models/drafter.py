@@ -181,10 +181,13 @@ class DSparkDrafter(nn.Module):
         self._borrowed: dict[str, nn.Module] = {}
 
     def fuse_for_inference(self) -> None:
-        """Fused gate|up MLP weights for inference (see MLATarget.fuse_for_inference). Idempotent."""
+        """Fused gate|up MLP weights for inference (see MLATarget.fuse_for_inference); the context projection takes
+        the native few-row product. Idempotent."""
         with torch.inference_mode(False), torch.no_grad():
             for layer in self.layers:
                 layer.mlp.fuse()
+        if isinstance(self.context_proj, Linear):
+            self.context_proj.use_native_rows()
 
     # ---- borrowed target modules -------------------------------------------------------------------
     def set_attention_backend(self, backend: str | None) -> None:

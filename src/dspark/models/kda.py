@@ -329,16 +329,27 @@ class KimiDeltaAttention(nn.Module, Packable):
     ) -> torch.Tensor:
         """Every row of a sequence through ``kda_rows`` (dspark/native/kda.cpp): the recurrent form, from the input
         projections to o_proj, as one native call (the module's operations and roundings, sums in another order).
-        A verification's rows then equal the decode steps' rows bit for bit."""
+        A verification's rows then equal the decode steps' rows bit for bit. In bf16/fp16 the fused input
+        projection and o_proj take the native dense product too (each row alone, as oneDNN's packed GEMMs: a decode
+        step's two products were ~90 µs of oneDNN's per-call cost on cold weights)."""
         cfg = self.cfg
+        ops = native.inference_ops()
         keep = store is not None and store.keep_per_row
-        z, fa, ga, b = self.project(x)
+        fused = None if x.dtype == torch.float32 else self._linked_inputs()
+        if fused is None:
+            z, fa, ga, b = self.project(x)
+        else:
+            W, Dk, H = cfg.num_heads * cfg.head_dim, cfg.head_dim, cfg.num_heads
+            z, fa, ga, b = ops.dense_linear(x, fused, None).split([3 * W, Dk, Dk, H], -1)
         state = flat if flat is not None else x.new_empty(0, dtype=torch.float32)
-        o, final, rows = native.inference_ops().kda_rows(
+        o, final, rows = ops.kda_rows(
             z, fa, ga, b, state, lengths, self.conv_weight(), self.f_b_proj.weight, self.dt_bias, self.A_log,
             self.g_b_proj.weight, self.o_norm.weight, cfg.num_heads, cfg.head_dim, cfg.gate_lower_bound,
             self.o_norm.eps, keep,
         )  # fmt: skip
         if store is not None:
             store.write(self.layer_idx, final, rows if keep else None)
+        w = self.o_proj.weight
+        if fused is not None and type(self.o_proj) is Linear and w.dtype == o.dtype and w.is_contiguous():
+            return ops.dense_linear(o, w, self.o_proj.bias)
         return self.o_proj(o)

@@ -388,11 +388,13 @@ class DecoderTarget(nn.Module):
     def fuse_for_inference(self) -> None:
         """Fused weights for the inference path: every layer's FFN (SwiGLU gate|up, stacked experts) and its
         attention's input projections (Llama: q|k|v; MLA: q|kv_a; KDA: its six). Parameters become views (names,
-        values and the training path unchanged). Idempotent."""
+        values and the training path unchanged); the lm_head takes the native few-row product. Idempotent."""
         with torch.inference_mode(False), torch.no_grad():
             for layer in self.model.layers:
                 layer.mlp.fuse()
                 layer.self_attn.fuse()
+        if isinstance(self.lm_head, Linear):
+            self.lm_head.use_native_rows()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Post-norm hidden [..., D] → fp32 logits [..., V]."""

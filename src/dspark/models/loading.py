@@ -186,6 +186,8 @@ def load_drafter(
         lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         load_module_strict(lm_head, path, rename=lambda n: "lm_head." + n, ignore_unexpected=("*",), found=weights)
         lm_head.to(torch_dtype(dtype)).requires_grad_(False)
+    if lm_head is not target.lm_head and isinstance(lm_head, Linear):
+        lm_head.use_native_rows()  # the drafter's own: the native few-row product, as the target's
     model.attach(target.embed_tokens, lm_head)
     return model.eval()
 

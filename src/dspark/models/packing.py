@@ -90,10 +90,22 @@ class Packable:
 
 
 class Linear(nn.Linear, Packable):
-    """``nn.Linear`` that runs on a prepacked copy of its weight once ``pack()`` made one (see the module doc)."""
+    """``nn.Linear`` that runs on a prepacked copy of its weight once ``pack()`` made one (see the module doc), or
+    on the native dense product once ``use_native_rows()`` asked for it."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        reduced = x.dtype in (torch.bfloat16, torch.float16)
+        if reduced and self.__dict__.get("_native_rows") and not torch.is_grad_enabled():
+            ops = native.inference_ops()
+            if ops is not None and self.weight.dtype == x.dtype and self.weight.is_contiguous():
+                return ops.dense_linear(x, self.weight, self.bias)
         return packed_linear(x, self.weight, self.bias, self.__dict__.get("_packed"))
+
+    def use_native_rows(self, on: bool = True) -> None:
+        """bf16/fp16 inference through the native dense product (``dense_linear``: each row alone, at every row
+        count) instead of oneDNN's packed GEMM: for the few-row products of a step (the lm_head, the drafter's
+        context projection), where oneDNN's per-call cost on cold weights was most of the time."""
+        self.__dict__["_native_rows"] = on
 
     def pack(self) -> None:
         self.__dict__["_packed"] = PackedWeight.of(self.weight)  # outside _parameters/_buffers: not in state_dict
